@@ -1,0 +1,7 @@
+"""``python -m shardlib`` is the ``shardlib`` command."""
+
+import sys
+
+from shardlib.cli import main
+
+sys.exit(main())

@@ -1,0 +1,167 @@
+"""Frozen config dataclasses and ``--set section.field=value`` overrides.
+
+One ``Config`` holds a section per concern (mesh, model, optim, train). Layers never
+see it: each piece of code takes the section it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardlib.errors import ConfigError
+from shardlib.mesh import MESH_AXES
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Degrees of each mesh axis; one may be -1 (fill the remaining devices)."""
+
+    data: int = -1  # replicated params, batch split: the cheapest strategy when the model fits
+    fsdp: int = 1  # params, grads and optimizer state split over this axis (ZeRO-3)
+    sequence: int = 1  # activations split along the sequence (context parallelism)
+    tensor: int = 1  # Megatron column/row split of attention and MLP weights
+    sequence_parallel: bool = False  # Megatron SP: norms/residual split along seq over tensor
+
+    def degrees(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer shape. Presets live in ``shardlib.models.presets``."""
+
+    name: str = "small"
+    vocab_size: int = 256  # byte-level tokens
+    d_model: int = 256
+    num_layers: int = 4
+    num_heads: int = 8
+    d_ff: int = 1024  # 4 x d_model, as GPT-2
+    max_seq_len: int = 1024  # size of the learned position table / RoPE cache bound
+    pos_embedding: str = "rope"  # "rope" or "learned"
+    tie_embeddings: bool = True  # LM head reuses the token embedding (GPT-2)
+    scan_layers: bool = True  # lax.scan over stacked layers: compile time flat in depth
+    init_std: float = 0.02  # GPT-2 init; residual projections get 0.02/sqrt(2L)
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warm-up then cosine decay, global-norm clipping."""
+
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.1  # applied to matrices only (not norms, not embeddings)
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What the loop does: steps, batch, data, logging."""
+
+    steps: int = 200
+    batch_size: int = 16  # global batch, in sequences
+    seq_len: int = 128
+    seed: int = 0
+    data: str = "stdlib"  # "stdlib", "synthetic" or a path to a text file
+    eval_every: int = 50  # 0 disables eval
+    eval_batches: int = 2
+    log_every: int = 10  # host sync and log every N steps
+    metrics_file: str = ""  # JSON Lines, one object per step; "" disables
+    sample_tokens: int = 120  # generated at the end of `shardlib train`; 0 disables
+    sample_temperature: float = 0.8
+    sample_top_k: int = 20
+
+
+@dataclass(frozen=True)
+class Config:
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    rules: tuple[tuple[str, tuple[str, ...]], ...] = ()  # user overrides: (logical dim, axes)
+
+
+def _coerce(text: str, annotation: Any, key: str) -> Any:
+    """Parse ``text`` into the field's declared type, or raise naming the key."""
+    kind = typing.get_origin(annotation) or annotation
+    if isinstance(annotation, types.UnionType):
+        kind = next(a for a in typing.get_args(annotation) if a is not type(None))
+    try:
+        if kind is bool:
+            lowered = text.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind is int:
+            return int(text)
+        if kind is float:
+            return float(text)
+        if kind is str:
+            return text
+    except ValueError:
+        pass
+    else:
+        raise ConfigError(f"--set {key}: fields of type {annotation} cannot be set from the CLI")
+    name = getattr(kind, "__name__", str(kind))
+    raise ConfigError(f"--set {key}={text}: expected a {name}")
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def apply_overrides(config: Config, overrides: list[str]) -> Config:
+    """Apply ``section.field=value`` strings, e.g. ``model.num_layers=6``."""
+    sections = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        section, dot, name = key.strip().partition(".")
+        if not sep or not dot:
+            raise ConfigError(f"--set {item!r}: use section.field=value, e.g. model.num_layers=6")
+        if section not in sections or not dataclasses.is_dataclass(sections[section]):
+            valid = ", ".join(k for k, v in sections.items() if dataclasses.is_dataclass(v))
+            raise ConfigError(f"--set {key}: unknown section {section!r}; sections: {valid}")
+        types_ = _field_types(type(sections[section]))
+        if name not in types_:
+            raise ConfigError(
+                f"--set {key}: unknown field {name!r}; {section} has {', '.join(types_)}"
+            )
+        value = _coerce(text, types_[name], key)
+        sections[section] = dataclasses.replace(sections[section], **{name: value})
+    return dataclasses.replace(config, **sections)
+
+
+def parse_mesh(text: str, base: MeshConfig | None = None) -> MeshConfig:
+    """``data=2,fsdp=2,tensor=2`` -> MeshConfig (unnamed axes default to 1)."""
+    degrees: dict[str, int] = {axis: 1 for axis in MESH_AXES}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        axis, sep, size = item.partition("=")
+        if not sep or axis not in MESH_AXES:
+            raise ConfigError(
+                f"--mesh {item!r}: expected AXIS=SIZE with AXIS one of {', '.join(MESH_AXES)}"
+            )
+        try:
+            degrees[axis] = int(size)
+        except ValueError:
+            raise ConfigError(f"--mesh {item!r}: size must be an int (or -1)") from None
+    base = base or MeshConfig()
+    return dataclasses.replace(base, **degrees)
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    """Plain nested dict (for logs, metrics headers and checkpoints)."""
+    return dataclasses.asdict(config)

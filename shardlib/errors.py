@@ -1,0 +1,17 @@
+"""The one exception family users see: each names the field, the value and the fix."""
+
+
+class ShardlibError(Exception):
+    """Base class for every error shardlib raises on purpose."""
+
+
+class ConfigError(ShardlibError, ValueError):
+    """A config field or CLI flag has a bad value."""
+
+
+class MeshError(ConfigError):
+    """Mesh degrees do not fit the devices."""
+
+
+class ShardingError(ConfigError):
+    """A sharding rule conflicts, names an unknown axis, or does not divide a dim."""

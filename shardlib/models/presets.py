@@ -1,0 +1,43 @@
+"""Named model sizes, from ``tiny`` (tests) to ``gpt2-small`` (124M parameters)."""
+
+from __future__ import annotations
+
+from shardlib.config import ModelConfig
+from shardlib.errors import ConfigError
+
+PRESETS: dict[str, ModelConfig] = {
+    # Compiles in seconds; heads divide 1, 2, 4; d_model divides 8 (fsdp=8).
+    "tiny": ModelConfig(name="tiny", d_model=64, num_layers=2, num_heads=4, d_ff=256,
+                        max_seq_len=256),
+    # The default: learns visible structure from bytes in a few minutes on 2 CPU cores.
+    "small": ModelConfig(name="small", d_model=256, num_layers=4, num_heads=8, d_ff=1024),
+    # d_model 512: large enough matmuls for a meaningful MFU on CPU.
+    "medium": ModelConfig(name="medium", d_model=512, num_layers=8, num_heads=8, d_ff=2048),
+    # GPT-2 small: 124M parameters with the GPT-2 vocab padded to a multiple of 64.
+    "gpt2-small": ModelConfig(name="gpt2-small", vocab_size=50304, d_model=768, num_layers=12,
+                              num_heads=12, d_ff=3072, max_seq_len=1024,
+                              pos_embedding="learned"),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    """The preset called ``name``, or a ConfigError listing the presets."""
+    if name not in PRESETS:
+        raise ConfigError(f"--model {name!r}: unknown model; presets: {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+def check_model(cfg: ModelConfig) -> None:
+    """Raise on shapes the model cannot be built with."""
+    if cfg.d_model % cfg.num_heads:
+        raise ConfigError(
+            f"model.num_heads={cfg.num_heads} does not divide model.d_model={cfg.d_model}; "
+            "pick num_heads that divides d_model"
+        )
+    if cfg.pos_embedding not in ("rope", "learned"):
+        raise ConfigError(f"model.pos_embedding={cfg.pos_embedding!r}: use 'rope' or 'learned'")
+    if cfg.pos_embedding == "rope" and cfg.head_dim % 2:
+        raise ConfigError(f"model: rope needs an even head_dim, got {cfg.head_dim}")
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"model.{name}={getattr(cfg, name)} must be >= 1")

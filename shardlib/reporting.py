@@ -1,0 +1,158 @@
+"""What a run shows a person and writes for machines: the mesh and parameter sharding
+table at start, a progress bar (or plain lines when stdout is not a terminal), JSON Lines
+metrics, and a summary at the end. Only process 0 reports.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Protocol
+
+import jax
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from shardlib.errors import ConfigError
+from shardlib.mesh import describe
+from shardlib.train.state import TrainSetup, param_table
+
+
+class Reporter(Protocol):
+    def on_start(self, setup: TrainSetup, info: dict[str, Any]) -> None: ...
+    def on_steps(self, rows: list[dict[str, Any]]) -> None: ...
+    def on_end(self, summary: dict[str, Any], sample: str) -> None: ...
+
+
+class NullReporter:
+    def on_start(self, setup: TrainSetup, info: dict[str, Any]) -> None: ...
+    def on_steps(self, rows: list[dict[str, Any]]) -> None: ...
+    def on_end(self, summary: dict[str, Any], sample: str) -> None: ...
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def sharding_table(setup: TrainSetup) -> Table:
+    """Every parameter: path, global shape, logical dims, PartitionSpec, bytes/device."""
+    table = Table(title="Parameters", title_justify="left")
+    for column in ("path", "shape", "logical dims", "PartitionSpec", "bytes/device"):
+        table.add_column(column, justify="right" if column == "bytes/device" else "left",
+                         no_wrap=column == "path")
+    rows = param_table(setup)
+    for row in rows:
+        spec = "(" + ", ".join(str(e) for e in row.spec) + ")"
+        table.add_row(row.path, str(row.shape), ", ".join(row.logical), spec,
+                      format_bytes(row.bytes_per_device))
+    total = sum(row.bytes_per_device for row in rows)
+    table.add_row("total", "", "", "", format_bytes(total), style="bold")
+    return table
+
+
+def rules_line(setup: TrainSetup) -> str:
+    active = {dim: axes for dim, axes in setup.rules.items()
+              if any(setup.sizes[a] > 1 for a in axes)}
+    return "rules " + (", ".join(f"{d}->{'+'.join(a)}" for d, a in active.items()) or "(none)")
+
+
+class ConsoleReporter:
+    """Progress bar with loss and tokens/s on a terminal; plain log lines otherwise."""
+
+    def __init__(self, total_steps: int, console: Console | None = None):
+        # Off a terminal rich would wrap at 80 columns; log files can be wider.
+        self.console = console or (Console() if sys.stdout.isatty() else Console(width=160))
+        self.total = total_steps
+        self.progress: Progress | None = None
+        self.task = None
+
+    def on_start(self, setup: TrainSetup, info: dict[str, Any]) -> None:
+        if jax.process_index() != 0:
+            return
+        model = setup.config.model
+        self.console.print(describe(setup.mesh))
+        self.console.print(rules_line(setup))
+        self.console.print(f"model {model.name}: {info['params']:,} parameters, "
+                           f"{model.num_layers} layers, d_model {model.d_model}")
+        self.console.print(sharding_table(setup))
+        if self.console.is_terminal:
+            self.progress = Progress(
+                TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"), TimeRemainingColumn(), console=self.console,
+            )
+            self.task = self.progress.add_task("train", total=self.total, status="compiling")
+            self.progress.start()
+
+    def on_steps(self, rows: list[dict[str, Any]]) -> None:
+        if jax.process_index() != 0 or not rows:
+            return
+        last = rows[-1]
+        status = f"loss {last['loss']:.4f}  {last['tokens_per_sec']:,.0f} tok/s"
+        if "eval_loss" in last:
+            status += f"  eval {last['eval_loss']:.4f}"
+        if self.progress is not None:
+            self.progress.update(self.task, completed=last["step"], status=status)
+        else:
+            print(f"step {last['step']:>6}/{self.total}  {status}  "
+                  f"lr {last['lr']:.2e}  grad_norm {last['grad_norm']:.3f}", flush=True)
+
+    def on_end(self, summary: dict[str, Any], sample: str) -> None:
+        if jax.process_index() != 0:
+            return
+        if self.progress is not None:
+            self.progress.stop()
+        table = Table(title="Summary", title_justify="left", show_header=False)
+        for key, value in summary.items():
+            table.add_row(key, f"{value:,.4f}" if isinstance(value, float) else str(value))
+        self.console.print(table)
+        if sample:
+            self.console.print("sample:", style="bold")
+            print(sample, flush=True)
+
+
+class MetricsFile:
+    """JSON Lines, one object per optimizer step (process 0 only)."""
+
+    def __init__(self, path: str):
+        self.path = Path(path)
+        if not self.path.parent.exists():
+            raise ConfigError(f"--metrics-file {path}: directory {self.path.parent} does not exist")
+        if jax.process_index() == 0:
+            self.path.write_text("")
+
+    def on_start(self, setup: TrainSetup, info: dict[str, Any]) -> None: ...
+
+    def on_steps(self, rows: list[dict[str, Any]]) -> None:
+        if jax.process_index() != 0:
+            return
+        with self.path.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+    def on_end(self, summary: dict[str, Any], sample: str) -> None: ...
+
+
+class Reporters:
+    """Fan one event out to several reporters."""
+
+    def __init__(self, *reporters: Reporter):
+        self.reporters = reporters
+
+    def on_start(self, setup: TrainSetup, info: dict[str, Any]) -> None:
+        for r in self.reporters:
+            r.on_start(setup, info)
+
+    def on_steps(self, rows: list[dict[str, Any]]) -> None:
+        for r in self.reporters:
+            r.on_steps(rows)
+
+    def on_end(self, summary: dict[str, Any], sample: str) -> None:
+        for r in self.reporters:
+            r.on_end(summary, sample)
+

@@ -1,0 +1,180 @@
+"""Logical tensor dims -> mesh axes.
+
+Models name every dim logically (``embed``, ``heads``, ``act_batch`` ...). A rule set
+maps each logical dim to a tuple of mesh axes; a strategy is nothing but a mesh shape plus
+a rule set. Parameter dims and activation dims (prefixed ``act_``) are kept apart, as in
+Levanter: the parameter mapping says where weights live, the compute mapping where
+activations live.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardlib.config import MeshConfig
+from shardlib.errors import ShardingError
+from shardlib.mesh import MESH_AXES
+
+Rules = dict[str, tuple[str, ...]]
+
+PARAM_DIMS = ("vocab", "embed", "heads", "head_dim", "mlp", "layers", "position")
+ACT_DIMS = (
+    "act_batch", "act_seq", "act_res_seq", "act_embed", "act_heads", "act_head_dim",
+    "act_mlp", "act_vocab", "act_kv_seq",
+)
+LOGICAL_DIMS = PARAM_DIMS + ACT_DIMS
+
+# One preset per strategy; a mesh's rules are the union of the presets of its axes > 1.
+PRESETS: dict[str, Rules] = {
+    # Data parallel: params replicated, batch split.
+    "dp": {"act_batch": ("data",)},
+    # FSDP / ZeRO-3: every weight's embed dim split over fsdp; the batch too.
+    "fsdp": {"embed": ("fsdp",), "act_batch": ("fsdp",)},
+    # Megatron TP: qkv and MLP-in split by columns (heads, mlp), attention-out and MLP-out
+    # by rows (the same dims, on the input side); vocab-parallel embedding and head.
+    "tp": {
+        "heads": ("tensor",), "mlp": ("tensor",), "vocab": ("tensor",),
+        "act_heads": ("tensor",), "act_mlp": ("tensor",), "act_vocab": ("tensor",),
+    },
+    # Megatron sequence parallel: the residual stream (norms, residual adds) is split
+    # along the sequence over the tensor axis between the TP regions.
+    "sp": {"act_res_seq": ("tensor",)},
+    # Context parallelism: activations split along the sequence; K/V gathered.
+    "cp": {"act_seq": ("sequence",), "act_res_seq": ("sequence",)},
+}
+
+
+def strategies(mesh_cfg: MeshConfig, sizes: Mapping[str, int]) -> list[str]:
+    """Preset names active for this mesh: those whose axis has size > 1."""
+    active = [name for name, axis in (("dp", "data"), ("fsdp", "fsdp"), ("cp", "sequence"),
+                                      ("tp", "tensor")) if sizes.get(axis, 1) > 1]
+    if mesh_cfg.sequence_parallel:
+        if sizes.get("tensor", 1) <= 1:
+            raise ShardingError(
+                "mesh.sequence_parallel=true needs tensor > 1 (Megatron SP splits the "
+                "sequence over the tensor axis); set --mesh tensor=N or drop sequence_parallel"
+            )
+        active.append("sp")
+    return active
+
+
+def make_rules(mesh_cfg: MeshConfig, sizes: Mapping[str, int],
+               overrides: Sequence[tuple[str, Sequence[str]]] = ()) -> Rules:
+    """Union of the active presets, then user overrides (which replace a dim's axes)."""
+    rules: Rules = {}
+    for name in strategies(mesh_cfg, sizes):
+        for dim, axes in PRESETS[name].items():
+            rules[dim] = rules.get(dim, ()) + tuple(a for a in axes if a not in rules.get(dim, ()))
+    for dim, axes in overrides:
+        check_rule(dim, axes)
+        rules[dim] = tuple(axes)
+    # Order each dim's axes as the mesh does, so specs read the same whatever the merge order.
+    return {dim: tuple(a for a in MESH_AXES if a in axes) for dim, axes in rules.items()}
+
+
+def check_rule(dim: str, axes: Sequence[str]) -> None:
+    """Raise if a rule names an unknown logical dim or mesh axis."""
+    if dim not in LOGICAL_DIMS:
+        raise ShardingError(
+            f"rule {dim}: unknown logical dim {dim!r}; known dims: {', '.join(LOGICAL_DIMS)}"
+        )
+    for axis in axes:
+        if axis not in MESH_AXES:
+            raise ShardingError(
+                f"rule {dim}={axis}: unknown mesh axis {axis!r}; axes: {', '.join(MESH_AXES)}"
+            )
+
+
+def parse_rule(text: str) -> tuple[str, tuple[str, ...]]:
+    """``mlp=tensor+fsdp`` -> ('mlp', ('tensor', 'fsdp')); ``vocab=none`` unshards."""
+    dim, sep, axes = text.partition("=")
+    if not sep:
+        raise ShardingError(f"--rule {text!r}: use LOGICAL_DIM=AXIS[+AXIS], e.g. mlp=tensor")
+    parsed = () if axes.strip().lower() in ("", "none") else tuple(axes.strip().split("+"))
+    check_rule(dim.strip(), parsed)
+    return dim.strip(), parsed
+
+
+def logical_to_spec(
+    logical: Sequence[str | None], rules: Mapping[str, Sequence[str]], sizes: Mapping[str, int],
+    *, name: str = "array",
+) -> PartitionSpec:
+    """PartitionSpec for one array; size-1 axes are dropped. Raises on a reused mesh axis."""
+    used: dict[str, str] = {}
+    entries: list[tuple[str, ...] | None] = []
+    for dim in logical:
+        axes = tuple(a for a in rules.get(dim, ()) if sizes.get(a, 1) > 1) if dim else ()
+        for axis in axes:
+            if axis in used:
+                raise ShardingError(
+                    f"{name}: mesh axis {axis!r} is used by both dims {used[axis]!r} and {dim!r} "
+                    f"(logical {tuple(logical)}); change one of the rules so each axis "
+                    "shards at most one dim"
+                )
+            used[axis] = dim
+        entries.append(axes or None)
+    return PartitionSpec(*(e[0] if e and len(e) == 1 else e for e in entries))
+
+
+def check_divisible(
+    name: str, shape: Sequence[int], spec: PartitionSpec, sizes: Mapping[str, int]
+) -> None:
+    """Raise naming the array, its shape and the axes if a dim does not split evenly."""
+    for dim_size, entry in zip(shape, spec, strict=False):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        parts = math.prod(sizes[a] for a in axes)
+        if dim_size % parts:
+            raise ShardingError(
+                f"{name}: shape {tuple(shape)} cannot be split by {spec}: a dim of size "
+                f"{dim_size} over axes {axes} ({parts} shards); choose mesh degrees that "
+                f"divide {dim_size} or change the rule"
+            )
+
+
+def bytes_per_device(shape: Sequence[int], dtype: jax.typing.DTypeLike, spec: PartitionSpec,
+                     sizes: Mapping[str, int]) -> int:
+    """Bytes of one device's shard of an array with this spec."""
+    shards = 1
+    for entry in spec:
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        shards *= math.prod(sizes[a] for a in axes)
+    return math.prod(shape) * jax.numpy.dtype(dtype).itemsize // shards
+
+
+# --- activation constraints ------------------------------------------------------------
+
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
+    "shardlib_rules", default=None
+)
+
+
+@contextlib.contextmanager
+def activation_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
+    """Within this block (while tracing), ``constrain`` pins activations to ``rules``."""
+    token = _ACTIVE.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Pin an activation's layout by logical dims; a no-op outside ``activation_rules``."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    spec = logical_to_spec(logical, rules, dict(mesh.shape), name="activation")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def current_mesh() -> Mesh | None:
+    """The mesh of the enclosing ``activation_rules`` block, if any."""
+    active = _ACTIVE.get()
+    return active[0] if active else None

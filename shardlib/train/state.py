@@ -1,0 +1,173 @@
+"""Train state and its layout: the abstract model, per-parameter shardings, the optimizer,
+and sharded initialisation that never builds the full model on one device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardlib import sharding
+from shardlib.config import Config, OptimConfig
+from shardlib.mesh import make_mesh
+from shardlib.models import GPT, check_model
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class TrainState:
+    """Everything a step reads and writes: a pytree, so jit/orbax handle it whole."""
+
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: nnx.State
+    opt_state: optax.OptState
+    rng: jax.Array  # uint32[2] raw key, split every step
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One row of the parameter sharding table."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    logical: tuple[str, ...]
+    spec: PartitionSpec
+    bytes_per_device: int
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """The static half of training: mesh, rules, model structure, optimizer, shardings."""
+
+    config: Config
+    mesh: Mesh
+    rules: sharding.Rules
+    graphdef: nnx.GraphDef
+    abstract_params: nnx.State
+    tx: optax.GradientTransformation
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.mesh.shape)
+
+
+def _is_var(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def path_str(path: tuple) -> str:
+    """('blocks', 'attn', 'w_q_dhk') or pytree key paths -> 'blocks.attn.w_q_dhk'."""
+    return ".".join(str(getattr(p, "key", p)) for p in path)
+
+
+def param_specs(abstract_params: nnx.State, rules: sharding.Rules,
+                sizes: dict[str, int]) -> nnx.State:
+    """PartitionSpec per parameter (a State of the same structure), checked."""
+
+    def spec_for(path: tuple, var: nnx.Variable) -> nnx.Variable:
+        name = path_str(path)
+        spec = sharding.logical_to_spec(var.get_metadata("logical"), rules, sizes, name=name)
+        sharding.check_divisible(name, var.shape, spec, sizes)
+        return var.replace(value=spec)
+
+    return jax.tree_util.tree_map_with_path(spec_for, abstract_params, is_leaf=_is_var)
+
+
+def param_table(setup: TrainSetup) -> list[ParamInfo]:
+    """Rows of path, global shape, logical dims, spec, bytes per device."""
+    shardings = dict(nnx.to_flat_state(setup.state_shardings.params))
+    rows = []
+    for path, var in nnx.to_flat_state(setup.abstract_params):
+        spec = shardings[path].get_value().spec
+        rows.append(ParamInfo(
+            path=path_str(path), shape=tuple(var.shape), dtype=str(var.dtype),
+            logical=tuple(var.get_metadata("logical")), spec=spec,
+            bytes_per_device=sharding.bytes_per_device(var.shape, var.dtype, spec, setup.sizes),
+        ))
+    return rows
+
+
+def decay_mask(params: nnx.State) -> nnx.State:
+    """Weight decay on matrices only: not on norm scales (layer dim aside)."""
+    def is_matrix(var: nnx.Variable) -> nnx.Variable:
+        dims = [d for d in var.get_metadata("logical") if d != "layers"]
+        return var.replace(value=len(dims) >= 2)
+
+    return jax.tree.map(is_matrix, params, is_leaf=_is_var)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, mask: Any) -> optax.GradientTransformation:
+    """AdamW with warmup + cosine decay, global-norm clipping first."""
+    schedule = lr_schedule(cfg, total_steps)
+    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                        weight_decay=cfg.weight_decay, mask=mask)
+    if cfg.grad_clip > 0:
+        return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+    return adamw
+
+
+def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
+        decay_steps=max(total_steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio,
+    )
+
+
+def build_setup(config: Config, devices: list[jax.Device] | None = None) -> TrainSetup:
+    """Mesh, rules and every sharding, validated before any array is allocated."""
+    check_model(config.model)
+    mesh = make_mesh(config.mesh.degrees(), devices)
+    sizes = dict(mesh.shape)
+    rules = sharding.make_rules(config.mesh, sizes, config.rules)
+    abstract = nnx.eval_shape(lambda: GPT(config.model, rngs=nnx.Rngs(0)))
+    graphdef, abstract_params = nnx.split(abstract)
+    specs = param_specs(abstract_params, rules, sizes)
+    tx = make_optimizer(config.optim, config.train.steps, decay_mask(abstract_params))
+    named = lambda spec: NamedSharding(mesh, spec)
+    param_sh = jax.tree.map(lambda v: v.replace(value=named(v.get_value())), specs, is_leaf=_is_var)
+    opt_shape = jax.eval_shape(tx.init, abstract_params)
+    replicated = named(PartitionSpec())
+    opt_sh = optax.tree_map_params(tx, lambda _, s: s, opt_shape, param_sh,
+                                   transform_non_params=lambda _: replicated, is_leaf=_is_var)
+    state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated)
+    batch_spec = sharding.logical_to_spec(("act_batch", "act_seq"), rules, sizes, name="batch")
+    sharding.check_divisible(
+        "batch (train.batch_size, train.seq_len)",
+        (config.train.batch_size, config.train.seq_len), batch_spec, sizes,
+    )
+    return TrainSetup(config, mesh, rules, graphdef, abstract_params, tx, state_sh,
+                      named(batch_spec))
+
+
+def _init_fn(setup: TrainSetup, seed: int):
+    def init() -> TrainState:
+        model_key, state_key = jax.random.split(jax.random.key(seed))
+        params = nnx.state(GPT(setup.config.model, rngs=nnx.Rngs(model_key)))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=setup.tx.init(params), rng=jax.random.key_data(state_key))
+
+    return init
+
+
+def init_state(setup: TrainSetup, seed: int) -> TrainState:
+    """Initialise params and optimizer state directly into their shardings."""
+    return jax.jit(_init_fn(setup, seed), out_shardings=setup.state_shardings)()
+
+
+def abstract_state(setup: TrainSetup) -> TrainState:
+    """ShapeDtypeStructs with shardings: an AOT-compile input and an orbax restore target."""
+    shapes = jax.eval_shape(_init_fn(setup, 0))
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+        setup.state_shardings,
+    )

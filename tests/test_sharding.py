@@ -1,0 +1,104 @@
+"""Rule presets, their PartitionSpecs per parameter, and every rule error."""
+
+import dataclasses
+
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from shardlib.config import Config, MeshConfig
+from shardlib.errors import ShardingError
+from shardlib.models import get_preset
+from shardlib.sharding import logical_to_spec, make_rules, parse_rule
+from shardlib.train.state import build_setup, param_table
+
+TINY = get_preset("tiny")
+
+
+def specs_for(mesh: MeshConfig, rules=(), model=TINY) -> dict[str, P]:
+    config = Config(mesh=mesh, model=model, rules=tuple(rules))
+    return {row.path: row.spec for row in param_table(build_setup(config))}
+
+
+def test_dp_replicates_every_parameter():
+    specs = specs_for(MeshConfig(data=8))
+    assert all(all(e is None for e in spec) for spec in specs.values())
+
+
+def test_fsdp_shards_the_embed_dim_of_every_parameter():
+    specs = specs_for(MeshConfig(data=1, fsdp=8))
+    assert specs["blocks.attn.w_q_dhk"] == P(None, "fsdp", None, None)
+    assert specs["blocks.attn.w_o_hkd"] == P(None, None, None, "fsdp")
+    assert specs["blocks.mlp.w_in_df"] == P(None, "fsdp", None)
+    assert specs["blocks.mlp.w_out_fd"] == P(None, None, "fsdp")
+    assert specs["embed.w_vd"] == P(None, "fsdp")
+    assert specs["final_norm.scale_d"] == P("fsdp")
+
+
+def test_tp_splits_columns_then_rows():
+    specs = specs_for(MeshConfig(data=2, tensor=4))
+    assert specs["blocks.attn.w_q_dhk"] == P(None, None, "tensor", None)  # column split
+    assert specs["blocks.attn.w_o_hkd"] == P(None, "tensor", None, None)  # row split
+    assert specs["blocks.mlp.w_in_df"] == P(None, None, "tensor")  # column split
+    assert specs["blocks.mlp.w_out_fd"] == P(None, "tensor", None)  # row split
+    assert specs["embed.w_vd"] == P("tensor", None)  # vocab-parallel
+    assert specs["final_norm.scale_d"] == P(None)
+
+
+def test_mixed_mesh_combines_presets():
+    specs = specs_for(MeshConfig(data=2, fsdp=2, tensor=2))
+    assert specs["blocks.mlp.w_in_df"] == P(None, "fsdp", "tensor")
+    assert specs["embed.w_vd"] == P("tensor", "fsdp")
+
+
+def test_activation_rules_per_strategy():
+    sizes = {"data": 1, "fsdp": 4, "sequence": 1, "tensor": 2}
+    rules = make_rules(MeshConfig(data=1, fsdp=4, tensor=2, sequence_parallel=True), sizes)
+    assert logical_to_spec(("act_batch", "act_res_seq", "act_embed"), rules, sizes) == P(
+        "fsdp", "tensor", None)
+    assert logical_to_spec(("act_batch", "act_seq", "act_mlp"), rules, sizes) == P(
+        "fsdp", None, "tensor")
+    sizes = {"data": 2, "fsdp": 1, "sequence": 4, "tensor": 1}
+    rules = make_rules(MeshConfig(data=2, sequence=4), sizes)
+    assert logical_to_spec(("act_batch", "act_seq"), rules, sizes) == P("data", "sequence")
+
+
+def test_user_override_replaces_a_rule():
+    specs = specs_for(MeshConfig(data=2, tensor=4), rules=[parse_rule("vocab=none")])
+    assert specs["embed.w_vd"] == P(None, None)
+
+
+def test_conflicting_rules_name_the_parameter():
+    with pytest.raises(ShardingError, match=r"blocks\.mlp\.w_in_df: mesh axis 'fsdp' is used by "
+                       r"both dims 'embed' and 'mlp'"):
+        specs_for(MeshConfig(data=1, fsdp=8), rules=[("mlp", ("fsdp",))])
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("nonsense=tensor", "unknown logical dim 'nonsense'"),
+    ("mlp=pipe", "unknown mesh axis 'pipe'"),
+    ("mlp", "use LOGICAL_DIM=AXIS"),
+])
+def test_unknown_names(text, needle):
+    with pytest.raises(ShardingError, match=needle):
+        parse_rule(text)
+
+
+def test_indivisible_dim_names_path_shape_and_axes():
+    model = dataclasses.replace(TINY, d_ff=250)
+    with pytest.raises(ShardingError) as err:
+        specs_for(MeshConfig(data=2, tensor=4), model=model)
+    message = str(err.value)
+    assert "blocks.mlp.w_in_df" in message and "(2, 64, 250)" in message
+    assert "('tensor',)" in message
+
+
+def test_batch_must_divide_over_batch_axes():
+    config = Config(mesh=MeshConfig(data=8), model=TINY)
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=12))
+    with pytest.raises(ShardingError, match=r"batch .* a dim of size 12 over axes \('data',\)"):
+        build_setup(config)
+
+
+def test_sequence_parallel_needs_a_tensor_axis():
+    with pytest.raises(ShardingError, match="sequence_parallel=true needs tensor > 1"):
+        specs_for(MeshConfig(data=8, sequence_parallel=True))
