@@ -171,7 +171,10 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
         return x
     mesh, rules = active
     spec = logical_to_spec(logical, rules, dict(mesh.shape), name="activation")
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    # Inside shard_map the context's abstract mesh marks the manual axes; use it there.
+    context = jax.sharding.get_abstract_mesh()
+    target = context if not context.empty and context.manual_axes else mesh
+    return jax.lax.with_sharding_constraint(x, NamedSharding(target, spec))
 
 
 def current_mesh() -> Mesh | None:

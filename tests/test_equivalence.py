@@ -17,6 +17,7 @@ TOL = 1e-5
 STRATEGIES = {
     "data=8": MeshConfig(data=8),
     "fsdp=8": MeshConfig(data=1, fsdp=8),
+    "data=2,fsdp=4": MeshConfig(data=2, fsdp=4),
     "tensor=4": MeshConfig(data=2, tensor=4),
     "data=2,fsdp=2,tensor=2": MeshConfig(data=2, fsdp=2, tensor=2),
     "fsdp=4,tensor=2,sp": MeshConfig(data=1, fsdp=4, tensor=2, sequence_parallel=True),

@@ -1,0 +1,1 @@
+"""Strategies that need explicit collectives in ``jax.shard_map``."""
