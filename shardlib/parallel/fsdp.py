@@ -80,8 +80,10 @@ def fsdp_loss(loss_fn: Callable[[nnx.State, dict], jax.Array], params: nnx.State
     batch_spec = PartitionSpec(axes)
 
     def local_loss(params_shard: nnx.State, batch_shard: dict) -> jax.Array:
-        if "data" in axes:  # mark varying over data *before* the gather, so the gradient
-            params_shard = jax.lax.pcast(params_shard, "data", to="varying")  # is scattered, then summed
+        if "data" in axes:
+            # Varying over data *before* the gather: the gradient is reduce-scattered over
+            # fsdp first, then only the shard is all-reduced over data.
+            params_shard = jax.lax.pcast(params_shard, "data", to="varying")
         full = gather_params(params_shard, param_specs)
         return jax.lax.pmean(loss_fn(full, batch_shard), axes)
 

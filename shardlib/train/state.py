@@ -116,7 +116,8 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, mask: Any) -> optax.Gradi
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    # Short runs: warm up over at most a tenth of the steps, so the peak lr is reached.
+    warmup = min(cfg.warmup_steps, total_steps // 10)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
         decay_steps=max(total_steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio,
