@@ -25,6 +25,7 @@ class MeshConfig:
     sequence: int = 1  # activations split along the sequence (context parallelism)
     tensor: int = 1  # Megatron column/row split of attention and MLP weights
     sequence_parallel: bool = False  # Megatron SP: norms/residual split along seq over tensor
+    zero: int = 0  # ZeRO stage over `data`: 1 optimizer state, 2 + grads, 3 + params (= fsdp)
 
     def degrees(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in MESH_AXES}
@@ -46,6 +47,7 @@ class ModelConfig:
     scan_layers: bool = True  # lax.scan over stacked layers: compile time flat in depth
     init_std: float = 0.02  # GPT-2 init; residual projections get 0.02/sqrt(2L)
     rope_theta: float = 10000.0
+    remat: str = "none"  # none | full | dots (keep only matmul outputs) per layer
 
     @property
     def head_dim(self) -> int:
@@ -67,6 +69,20 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class PrecisionConfig:
+    """Dtype policy (fp32 | bf16 | fp16) and fp16 dynamic loss scaling; see precision.py."""
+
+    policy: str = "fp32"
+    param_dtype: str = ""  # "" = the policy's choice (fp32 master weights for every policy)
+    compute_dtype: str = ""
+    output_dtype: str = ""  # logits and loss
+    grad_dtype: str = ""  # dtype gradients are reduced in (the param cast's backward)
+    init_scale: float = 2.0**15  # fp16 only
+    growth_interval: int = 200  # double the scale after this many finite steps in a row
+    max_scale: float = 2.0**24
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """What the loop does: steps, batch, data, logging."""
 
@@ -74,6 +90,7 @@ class TrainConfig:
     batch_size: int = 16  # global batch, in sequences
     seq_len: int = 128
     seed: int = 0
+    grad_accum: int = 1  # microbatches per optimizer step (lax.scan inside the step)
     data: str = "stdlib"  # "stdlib", "synthetic" or a path to a text file
     eval_every: int = 50  # 0 disables eval
     eval_batches: int = 2
@@ -85,11 +102,23 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """Sharded orbax checkpoints (see ``shardlib.checkpoint``); ``dir=""`` disables them."""
+
+    dir: str = ""  # one sub-folder per saved step; its parent must exist
+    every: int = 100  # async save every N steps; 0: only at the end and on SIGTERM/SIGINT
+    keep: int = 3  # newest checkpoints kept on disk, older ones deleted
+    resume: bool = False  # continue from the newest good checkpoint in dir (if there is one)
+
+
+@dataclass(frozen=True)
 class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     rules: tuple[tuple[str, tuple[str, ...]], ...] = ()  # user overrides: (logical dim, axes)
 
 

@@ -96,6 +96,8 @@ class ConsoleReporter:
         status = f"loss {last['loss']:.4f}  {last['tokens_per_sec']:,.0f} tok/s"
         if "eval_loss" in last:
             status += f"  eval {last['eval_loss']:.4f}"
+        if last.get("loss_scale", 1.0) != 1.0:
+            status += f"  scale {last['loss_scale']:.0f} skipped {last['skipped_steps']}"
         if self.progress is not None:
             self.progress.update(self.task, completed=last["step"], status=status)
         else:

@@ -21,6 +21,7 @@ from shardlib.models.layers import (
     RMSNorm,
     normal,
     param,
+    remat,
     scan_layers,
     stack_layers,
 )
@@ -45,7 +46,7 @@ class Block(nnx.Module):
 
 
 class GPT(nnx.Module):
-    """Decoder-only LM: tokens (B, T) int32 -> logits (B, T, vocab) fp32."""
+    """Decoder-only LM: tokens (B, T) int32 -> logits (B, T, vocab) in the compute dtype."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -68,17 +69,17 @@ class GPT(nnx.Module):
         if self.cfg.pos_embedding == "learned":
             x_btd = x_btd + self.pos_td[...][: tokens_bt.shape[1]][None]  # (1, T, D)
         if self.cfg.scan_layers:
-            x_btd = scan_layers(self.blocks, x_btd)
+            x_btd = scan_layers(self.blocks, x_btd, self.cfg.remat)
         else:
             for block in self.blocks:
-                x_btd = block(x_btd)
+                x_btd = remat(lambda x, b=block: b(x), self.cfg.remat)(x_btd)
         x_btd = self.final_norm(x_btd)
         if self.cfg.tie_embeddings:
             logits_btv = self.embed.attend(x_btd)
         else:
             logits_btv = jnp.einsum("btd,dv->btv", x_btd, self.w_head_dv[...])
             logits_btv = constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"))
-        return logits_btv.astype(jnp.float32)
+        return logits_btv
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -92,9 +92,11 @@ class Attention(nnx.Module):
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         heads = ("act_batch", "act_seq", "act_heads", "act_head_dim")
-        q_bthk = constrain(jnp.einsum("btd,dhk->bthk", x_btd, self.w_q_dhk[...]), heads)
-        k_bthk = constrain(jnp.einsum("btd,dhk->bthk", x_btd, self.w_k_dhk[...]), heads)
-        v_bthk = constrain(jnp.einsum("btd,dhk->bthk", x_btd, self.w_v_dhk[...]), heads)
+        # One einsum for q, k, v: under TP their input gradients are summed before the one
+        # all-reduce (Megatron's f), not all-reduced one by one.
+        w_cdhk = jnp.stack([self.w_q_dhk[...], self.w_k_dhk[...], self.w_v_dhk[...]])
+        qkv_cbthk = jnp.einsum("btd,cdhk->cbthk", x_btd, w_cdhk)  # (3, B, T, H, K)
+        q_bthk, k_bthk, v_bthk = (constrain(qkv_cbthk[i], heads) for i in range(3))
         if self.rope_theta is not None:
             cos, sin = rope_tables(x_btd.shape[1], q_bthk.shape[-1], self.rope_theta)
             q_bthk, k_bthk = apply_rope(q_bthk, cos, sin), apply_rope(k_bthk, cos, sin)
@@ -145,12 +147,26 @@ def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
     return nnx.merge(graphdef, stacked)
 
 
-def scan_layers(stacked: nnx.Module, x: jax.Array) -> jax.Array:
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole layer
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+}
+
+
+def remat(fn: Callable, policy: str) -> Callable:
+    """``fn`` under ``jax.checkpoint`` with a named policy ("none" returns ``fn``)."""
+    if policy == "none":
+        return fn
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[policy])
+
+
+def scan_layers(stacked: nnx.Module, x: jax.Array, remat_policy: str = "none") -> jax.Array:
     """Apply the stacked layers in order with ``lax.scan`` (one compiled layer body)."""
     graphdef, state = nnx.split(stacked)
 
     def body(carry: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, None]:
         return nnx.merge(graphdef, layer_state)(carry), None
 
-    x, _ = jax.lax.scan(body, x, state)
+    x, _ = jax.lax.scan(remat(body, remat_policy), x, state)
     return x

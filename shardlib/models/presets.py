@@ -36,6 +36,8 @@ def check_model(cfg: ModelConfig) -> None:
         )
     if cfg.pos_embedding not in ("rope", "learned"):
         raise ConfigError(f"model.pos_embedding={cfg.pos_embedding!r}: use 'rope' or 'learned'")
+    if cfg.remat not in ("none", "full", "dots"):
+        raise ConfigError(f"model.remat={cfg.remat!r}: use none, full or dots")
     if cfg.pos_embedding == "rope" and cfg.head_dim % 2:
         raise ConfigError(f"model: rope needs an even head_dim, got {cfg.head_dim}")
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):

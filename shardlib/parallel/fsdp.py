@@ -35,7 +35,7 @@ def manual_axes(sizes: dict[str, int]) -> tuple[str, ...]:
 def explicit_fsdp_applies(sizes: dict[str, int]) -> bool:
     """Explicit gathers when params are fsdp-split and only batch axes are > 1."""
     others = [axis for axis, size in sizes.items() if size > 1 and axis not in BATCH_AXES]
-    return sizes.get("fsdp", 1) > 1 and not others
+    return bool(manual_axes(sizes)) and not others
 
 
 def restrict_spec(spec: PartitionSpec, keep: Callable[[str], bool]) -> PartitionSpec:
@@ -69,11 +69,17 @@ def gather_params(params: nnx.State, specs: nnx.State) -> nnx.State:
 
 
 def fsdp_loss(loss_fn: Callable[[nnx.State, dict], jax.Array], params: nnx.State, batch: dict,
-              *, mesh: jax.sharding.Mesh, param_specs: nnx.State) -> jax.Array:
+              *, mesh: jax.sharding.Mesh, param_specs: nnx.State,
+              cast: Callable[[nnx.State], nnx.State] = lambda p: p) -> jax.Array:
     """``loss_fn(params, batch)`` (a mean over the batch) with explicit FSDP gathers.
 
     ``param_specs``: each parameter's full PartitionSpec; ``loss_fn`` sees whole
-    parameters and this process-group's slice of the batch.
+    parameters and this process-group's slice of the batch. ``cast`` (to the compute
+    dtype) runs after ``pcast``, so the all-reduce over ``data`` is in the gradient dtype.
+    On GPU/TPU it runs before the gather, so weights travel (and gradients are
+    reduce-scattered) in the compute dtype; XLA CPU aborts on those bf16 collectives
+    (``AllReducePromotion``: "Invalid binary instruction opcode copy"), so on CPU the
+    gather and reduce-scatter stay in the parameter dtype.
     """
     axes = manual_axes(dict(mesh.shape))
     manual_specs = jax.tree.map(lambda s: restrict_spec(s, lambda a: a in axes), param_specs)
@@ -84,7 +90,10 @@ def fsdp_loss(loss_fn: Callable[[nnx.State, dict], jax.Array], params: nnx.State
             # Varying over data *before* the gather: the gradient is reduce-scattered over
             # fsdp first, then only the shard is all-reduced over data.
             params_shard = jax.lax.pcast(params_shard, "data", to="varying")
-        full = gather_params(params_shard, param_specs)
+        if jax.default_backend() == "cpu":
+            full = cast(gather_params(params_shard, param_specs))
+        else:
+            full = gather_params(cast(params_shard), param_specs)
         return jax.lax.pmean(loss_fn(full, batch_shard), axes)
 
     return jax.shard_map(

@@ -15,8 +15,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardlib import sharding
 from shardlib.config import Config, OptimConfig
-from shardlib.mesh import make_mesh
+from shardlib.errors import ConfigError
+from shardlib.mesh import MESH_AXES, make_mesh, resolve_degrees
 from shardlib.models import GPT, check_model
+from shardlib.precision import LossScale, Policy
+from shardlib.precision import resolve as resolve_policy
 
 
 @jax.tree_util.register_dataclass
@@ -28,6 +31,7 @@ class TrainState:
     params: nnx.State
     opt_state: optax.OptState
     rng: jax.Array  # uint32[2] raw key, split every step
+    loss_scale: LossScale  # fp16 dynamic loss scaling (scale 1 for other policies)
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class TrainSetup:
     tx: optax.GradientTransformation
     state_shardings: TrainState
     batch_sharding: NamedSharding
+    grad_shardings: nnx.State  # = param shardings, or split over `data` too under ZeRO-2
+    policy: Policy
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -124,38 +130,76 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     )
 
 
+def mesh_degrees(config: Config, num_devices: int) -> dict[str, int]:
+    """Resolved degrees; ZeRO-3 over ``data`` is FSDP, so it folds ``data`` into ``fsdp``."""
+    degrees = resolve_degrees(config.mesh.degrees(), num_devices)
+    if config.mesh.zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero {config.mesh.zero}: use 0, 1, 2 or 3")
+    if config.mesh.zero == 3:
+        degrees["fsdp"] *= degrees["data"]
+        degrees["data"] = 1
+    return degrees
+
+
+def zero_rules(rules: sharding.Rules) -> sharding.Rules:
+    """Rules for ZeRO-sharded state: every ``embed`` dim also split over ``data``."""
+    embed = set(rules.get("embed", ())) | {"data"}
+    return {**rules, "embed": tuple(a for a in MESH_AXES if a in embed)}
+
+
+def named_tree(specs: nnx.State, mesh: Mesh) -> nnx.State:
+    return jax.tree.map(lambda v: v.replace(value=NamedSharding(mesh, v.get_value())), specs,
+                        is_leaf=_is_var)
+
+
 def build_setup(config: Config, devices: list[jax.Device] | None = None) -> TrainSetup:
     """Mesh, rules and every sharding, validated before any array is allocated."""
     check_model(config.model)
-    mesh = make_mesh(config.mesh.degrees(), devices)
+    policy = resolve_policy(config.precision)
+    devices = list(jax.devices() if devices is None else devices)
+    mesh = make_mesh(mesh_degrees(config, len(devices)), devices)
     sizes = dict(mesh.shape)
     rules = sharding.make_rules(config.mesh, sizes, config.rules)
     abstract = nnx.eval_shape(lambda: GPT(config.model, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract)
-    specs = param_specs(abstract_params, rules, sizes)
+    param_sh = named_tree(param_specs(abstract_params, rules, sizes), mesh)
+    zero_sh = named_tree(param_specs(abstract_params, zero_rules(rules), sizes), mesh)
     tx = make_optimizer(config.optim, config.train.steps, decay_mask(abstract_params))
-    named = lambda spec: NamedSharding(mesh, spec)
-    param_sh = jax.tree.map(lambda v: v.replace(value=named(v.get_value())), specs, is_leaf=_is_var)
-    opt_shape = jax.eval_shape(tx.init, abstract_params)
-    replicated = named(PartitionSpec())
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, opt_shape, param_sh,
-                                   transform_non_params=lambda _: replicated, is_leaf=_is_var)
-    state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated)
-    batch_spec = sharding.logical_to_spec(("act_batch", "act_seq"), rules, sizes, name="batch")
-    sharding.check_divisible(
-        "batch (train.batch_size, train.seq_len)",
-        (config.train.batch_size, config.train.seq_len), batch_spec, sizes,
-    )
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_sh = optax.tree_map_params(
+        tx, lambda _, s: s, jax.eval_shape(tx.init, abstract_params),
+        zero_sh if config.mesh.zero in (1, 2) else param_sh,
+        transform_non_params=lambda _: replicated, is_leaf=_is_var)
+    scale_sh = LossScale(replicated, replicated, replicated)
+    state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
+                          loss_scale=scale_sh)
     return TrainSetup(config, mesh, rules, graphdef, abstract_params, tx, state_sh,
-                      named(batch_spec))
+                      batch_sharding(config, mesh, rules),
+                      zero_sh if config.mesh.zero == 2 else param_sh, policy)
+
+
+def batch_sharding(config: Config, mesh: Mesh, rules: sharding.Rules) -> NamedSharding:
+    """(batch, seq) split over the batch and sequence axes; checks divisibility, with
+    each of ``train.grad_accum`` microbatches split the same way."""
+    sizes = dict(mesh.shape)
+    spec = sharding.logical_to_spec(("act_batch", "act_seq"), rules, sizes, name="batch")
+    tc = config.train
+    if tc.grad_accum < 1 or tc.batch_size % tc.grad_accum:
+        raise ConfigError(f"--grad-accum {tc.grad_accum}: must be >= 1 and divide "
+                          f"--batch-size {tc.batch_size}")
+    sharding.check_divisible("batch (train.batch_size / train.grad_accum, train.seq_len)",
+                             (tc.batch_size // tc.grad_accum, tc.seq_len), spec, sizes)
+    return NamedSharding(mesh, spec)
 
 
 def _init_fn(setup: TrainSetup, seed: int):
     def init() -> TrainState:
         model_key, state_key = jax.random.split(jax.random.key(seed))
         params = nnx.state(GPT(setup.config.model, rngs=nnx.Rngs(model_key)))
+        params = jax.tree.map(lambda p: p.astype(setup.policy.param), params)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=setup.tx.init(params), rng=jax.random.key_data(state_key))
+                          opt_state=setup.tx.init(params), rng=jax.random.key_data(state_key),
+                          loss_scale=LossScale.initial(setup.config.precision))
 
     return init
 

@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
+from shardlib import precision
 from shardlib.parallel import fsdp
 from shardlib.sharding import Rules, activation_rules
 from shardlib.train.state import TrainSetup, TrainState, lr_schedule
@@ -26,32 +28,77 @@ def model_loss(setup: TrainSetup, rules: Rules, params: nnx.State, batch: Batch)
     """Mean next-token cross-entropy over the batch, activations pinned by ``rules``."""
     with activation_rules(setup.mesh, rules):
         logits_btv = nnx.merge(setup.graphdef, params)(batch["inputs"])
+    logits_btv = logits_btv.astype(setup.policy.output)
     losses_bt = optax.softmax_cross_entropy_with_integer_labels(logits_btv, batch["targets"])
     return jnp.mean(losses_bt)
 
 
 def loss_fn(setup: TrainSetup, params: nnx.State, batch: Batch) -> jax.Array:
-    """The training loss; with ``fsdp`` > 1 the parameter gathers are explicit, so the
-    gradient is a real reduce-scatter on every backend (see ``parallel.fsdp``)."""
+    """The training loss, parameters cast to the compute dtype. With ``fsdp`` > 1 (and
+    only batch axes) the parameter gathers are explicit, so the gradient is a real
+    reduce-scatter on every backend (see ``parallel.fsdp``)."""
+    cast = partial(precision.cast_params, policy=setup.policy)  # before gathers: fewer bytes
     if not fsdp.explicit_fsdp_applies(setup.sizes):
-        return model_loss(setup, setup.rules, params, batch)
+        return model_loss(setup, setup.rules, cast(params), batch)
     manual = fsdp.manual_axes(setup.sizes)
     local_rules = {dim: tuple(a for a in axes if a not in manual)
                    for dim, axes in setup.rules.items()}
     specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
     return fsdp.fsdp_loss(partial(model_loss, setup, local_rules), params, batch,
-                          mesh=setup.mesh, param_specs=specs)
+                          mesh=setup.mesh, param_specs=specs, cast=cast)
+
+
+def microbatches(setup: TrainSetup, batch: Batch, count: int) -> Batch:
+    """(B, T) -> (count, B / count, T): microbatch k takes rows k, k + count, ... so every
+    device keeps its own rows and each microbatch is split like the whole batch."""
+    spec = PartitionSpec(None, *setup.batch_sharding.spec)
+
+    def split(x_bt: jax.Array) -> jax.Array:
+        x_mkt = x_bt.reshape(-1, count, x_bt.shape[1]).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(x_mkt, NamedSharding(setup.mesh, spec))
+
+    return jax.tree.map(split, batch)
+
+
+def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: Batch,
+                   scale: jax.Array) -> tuple[jax.Array, nnx.State]:
+    """Mean loss and gradients over ``train.grad_accum`` microbatches (``lax.scan``),
+    with the loss multiplied by ``scale`` and the gradients divided by it again."""
+    count = setup.config.train.grad_accum
+    grad_fn = jax.value_and_grad(lambda p, b: loss_fn(setup, p, b) * scale)
+    pin = lambda g: jax.lax.with_sharding_constraint(g, setup.grad_shardings)
+    if count == 1:
+        loss, grads = grad_fn(params, batch)
+    else:
+        def accumulate(carry, microbatch):
+            loss, grads = grad_fn(params, microbatch)
+            return (carry[0] + loss, pin(jax.tree.map(jnp.add, carry[1], grads))), None
+
+        zeros = pin(jax.tree.map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
+                                        microbatches(setup, batch, count))
+    unscale = 1.0 / (scale * count)
+    return loss * unscale, pin(jax.tree.map(lambda g: g * unscale.astype(g.dtype), grads))
 
 
 def train_step(setup: TrainSetup, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-    """One optimizer step on the global batch."""
-    loss, grads = jax.value_and_grad(lambda p: loss_fn(setup, p, batch))(state.params)
+    """One optimizer step on the global batch; under fp16 a step with non-finite
+    gradients is skipped (params and optimizer state kept) and the loss scale halves."""
+    scaling = state.loss_scale
+    loss, grads = loss_and_grads(setup, state.params, batch, scaling.scale)
     updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    if setup.policy.loss_scaling:
+        finite = precision.all_finite(grads)
+        params = precision.select_tree(finite, params, state.params)
+        opt_state = precision.select_tree(finite, opt_state, state.opt_state)
+        scaling = precision.update_scale(scaling, finite, setup.config.precision)
     rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
-    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
-               "lr": lr_at(setup, state.step)}
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng,
+                           loss_scale=scaling)
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+               "lr": lr_at(setup, state.step), "loss_scale": scaling.scale,
+               "skipped_steps": scaling.skipped}
     return new_state, metrics
 
 
