@@ -1,5 +1,8 @@
-"""Analysis of compiled programs: collectives, bytes moved, and (later) memory and flops."""
+"""Analysis of compiled programs: collectives and bytes moved (``hlo``), memory and FLOPs
+per device (``memory``, ``flops``), the formulas they are held against (``theory``) and the
+``shardlib inspect`` report (``report``)."""
 
+from shardlib.analysis.flops import FlopsReport, model_flops_per_token, xla_flops
 from shardlib.analysis.hlo import (
     KINDS,
     ArrayShape,
@@ -13,17 +16,33 @@ from shardlib.analysis.hlo import (
     parse_collectives,
     summarize_by_axis,
 )
+from shardlib.analysis.memory import MemoryReport, state_bytes
+from shardlib.analysis.report import Inspection, analyze, inspect, render, to_json
+from shardlib.analysis.theory import Term, comm_terms, state_bytes_per_device
 
 __all__ = [
     "KINDS",
     "ArrayShape",
     "Collective",
+    "FlopsReport",
     "HloParseError",
+    "Inspection",
+    "MemoryReport",
+    "Term",
     "Traffic",
+    "analyze",
     "collectives_of",
     "comm_bytes_per_device",
+    "comm_terms",
     "compiled_text",
     "format_collectives",
+    "inspect",
+    "model_flops_per_token",
     "parse_collectives",
+    "render",
+    "state_bytes",
+    "state_bytes_per_device",
     "summarize_by_axis",
+    "to_json",
+    "xla_flops",
 ]

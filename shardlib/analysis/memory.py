@@ -1,0 +1,100 @@
+"""Per-device memory of a compiled train step: what XLA reserves (arguments, outputs,
+temporaries) and what the persistent train state takes, read from its shardings.
+
+``compiled.memory_analysis()`` reports one device's buffers: the arguments are the train
+state plus the batch, the outputs the new state plus the metrics (aliased to the donated
+arguments, so they cost nothing extra), the temporaries everything live inside the step
+(activations kept for backward, gathered weights, gradients).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import jax
+
+from shardlib.train.state import TrainState
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes one device holds of each part of the train state (the most loaded device)."""
+
+    params: int
+    opt_state: int
+    other: int  # step counter and rng key
+
+    @property
+    def total(self) -> int:
+        """Params plus optimizer state: what the ZeRO formulas count."""
+        return self.params + self.opt_state
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Per-device bytes of one compiled step; ``None`` where the backend reports nothing."""
+
+    argument_bytes: int | None
+    output_bytes: int | None
+    alias_bytes: int | None
+    temp_bytes: int | None
+    generated_code_bytes: int | None
+    params_bytes: int
+    opt_state_bytes: int
+    batch_bytes: int
+    state_bytes_per_device: int
+    theory_state_bytes_per_device: int
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """Arguments + outputs not aliased to them + temporaries: a device's high mark."""
+        parts = (self.argument_bytes, self.output_bytes, self.alias_bytes, self.temp_bytes)
+        if any(p is None for p in parts):
+            return None
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def state_ratio(self) -> float:
+        return self.state_bytes_per_device / max(self.theory_state_bytes_per_device, 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "peak_bytes": self.peak_bytes, "state_ratio": self.state_ratio}
+
+
+def shard_bytes(x: jax.ShapeDtypeStruct | jax.Array) -> int:
+    """Bytes of the largest shard of ``x`` on one device (the whole array if unsharded)."""
+    shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    return math.prod(shape) * x.dtype.itemsize
+
+
+def tree_shard_bytes(tree: Any) -> int:
+    return sum(shard_bytes(leaf) for leaf in jax.tree.leaves(tree))
+
+
+def state_bytes(state: TrainState) -> StateBytes:
+    """Per-device bytes of an abstract (or real) sharded train state."""
+    return StateBytes(params=tree_shard_bytes(state.params),
+                      opt_state=tree_shard_bytes(state.opt_state),
+                      other=tree_shard_bytes((state.step, state.rng)))
+
+
+def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int | None]:
+    """The fields of ``compiled.memory_analysis()`` shardlib reports (None if missing)."""
+    stats = compiled.memory_analysis()
+    fields = {"argument_bytes": "argument_size_in_bytes", "output_bytes": "output_size_in_bytes",
+              "alias_bytes": "alias_size_in_bytes", "temp_bytes": "temp_size_in_bytes",
+              "generated_code_bytes": "generated_code_size_in_bytes"}
+    return {key: (None if stats is None else getattr(stats, attr, None))
+            for key, attr in fields.items()}
+
+
+def memory_report(compiled: jax.stages.Compiled, state: TrainState, batch: Any,
+                  theory_state_bytes: int) -> MemoryReport:
+    """Measured memory of ``compiled`` next to the state's shardings and the formula."""
+    held = state_bytes(state)
+    return MemoryReport(**compiled_memory(compiled), params_bytes=held.params,
+                        opt_state_bytes=held.opt_state, batch_bytes=tree_shard_bytes(batch),
+                        state_bytes_per_device=held.total,
+                        theory_state_bytes_per_device=theory_state_bytes)

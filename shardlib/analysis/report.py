@@ -1,0 +1,253 @@
+"""``shardlib inspect``: compile one train step ahead of time (nothing allocated, nothing
+run) and report its collectives per mesh axis, memory and FLOPs per device, each next to
+the theory of ``analysis.theory``.
+
+``inspect(config)`` returns a JSON-able dict; ``render(analyze(config))`` prints the same
+for a person, with the parameter sharding table first.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from rich.console import Console
+from rich.table import Table
+
+from shardlib.analysis.flops import FlopsReport, flops_report
+from shardlib.analysis.hlo import Collective, comm_bytes_per_device, parse_collectives
+from shardlib.analysis.memory import MemoryReport, memory_report
+from shardlib.analysis.theory import Term, comm_bytes, comm_terms, state_bytes_per_device
+from shardlib.config import Config, to_dict
+from shardlib.mesh import describe
+from shardlib.models import count_params
+from shardlib.reporting import format_bytes, rules_line, sharding_table
+from shardlib.train.state import TrainSetup, abstract_state, build_setup, param_table
+from shardlib.train.step import make_train_step
+
+
+@dataclass(frozen=True)
+class Inspection:
+    """One compiled train step and everything measured and expected about it."""
+
+    setup: TrainSetup
+    collectives: list[Collective]
+    terms: list[Term]
+    memory: MemoryReport
+    flops: FlopsReport
+    compile_s: float
+
+    @property
+    def comm_bytes(self) -> int:
+        return comm_bytes_per_device(self.collectives)
+
+    @property
+    def theory_comm_bytes(self) -> int:
+        return comm_bytes(self.terms)
+
+    @property
+    def comm_ratio(self) -> float | None:
+        return _ratio(self.comm_bytes, self.theory_comm_bytes)
+
+
+def _ratio(measured: float, theory: float) -> float | None:
+    if theory == 0:
+        return None if measured else 1.0
+    return measured / theory
+
+
+def axis_key(axes: Iterable[str]) -> str:
+    """``('data', 'fsdp')`` -> ``'data+fsdp'``; no axis -> ``'-'``."""
+    return "+".join(axes) or "-"
+
+
+def abstract_batch(setup: TrainSetup) -> dict[str, jax.ShapeDtypeStruct]:
+    """The step's batch as sharded shape structs (no data)."""
+    tc = setup.config.train
+    tokens = jax.ShapeDtypeStruct((tc.batch_size, tc.seq_len), jnp.int32,
+                                  sharding=setup.batch_sharding)
+    return {"inputs": tokens, "targets": tokens}
+
+
+def analyze(config: Config, devices: list[jax.Device] | None = None) -> Inspection:
+    """Build the setup, AOT-compile the train step and measure it against the theory."""
+    setup = build_setup(config, devices)
+    state, batch = abstract_state(setup), abstract_batch(setup)
+    started = time.perf_counter()
+    compiled = make_train_step(setup).lower(state, batch).compile()
+    compile_s = time.perf_counter() - started
+    collectives = parse_collectives(compiled.as_text(), setup.mesh)
+    terms = comm_terms(config, setup.sizes)
+    memory = memory_report(compiled, state, batch, state_bytes_per_device(config, setup.sizes))
+    flops = flops_report(config, compiled, setup.mesh.devices.size)
+    return Inspection(setup, collectives, terms, memory, flops, compile_s)
+
+
+# ----------------------------------------------------------------------------- JSON
+def collective_dict(c: Collective) -> dict[str, Any]:
+    """``bytes_per_device`` is per run; ``total_bytes_per_device`` per step (x count)."""
+    return {
+        "kind": c.kind, "axes": list(c.axes), "group_size": c.group_size, "count": c.count,
+        "bytes_per_device": c.bytes_per_device,
+        "total_bytes_per_device": c.total_bytes_per_device, "dtype": c.dtype,
+        "shape": [str(s) for s in c.result_shapes],
+        "operand_shape": [str(s) for s in c.operand_shapes],
+        "emulated_reduce_scatter": c.emulated_reduce_scatter, "op_name": c.op_name,
+        "notes": list(c.notes),
+    }
+
+
+def term_dict(term: Term) -> dict[str, Any]:
+    return {"name": term.name, "axes": list(term.axes), "kind": term.kind,
+            "bytes_per_device": term.bytes_per_device, "formula": term.formula}
+
+
+def per_axis(ins: Inspection) -> dict[str, dict[str, Any]]:
+    """Measured vs theory bytes per device per step, for every axis group either names."""
+    measured: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    theory: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for c in ins.collectives:
+        measured[axis_key(c.axes)][c.kind] += c.total_bytes_per_device
+    for term in ins.terms:
+        theory[axis_key(term.axes)][term.kind] += term.bytes_per_device
+    out = {}
+    for key in sorted(set(measured) | set(theory)):
+        got, want = sum(measured[key].values()), sum(theory[key].values())
+        out[key] = {"measured": got, "theory": want, "ratio": _ratio(got, want),
+                    "measured_by_kind": dict(measured[key]), "theory_by_kind": dict(theory[key])}
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """Tuples to lists, recursively: what a JSON round trip gives back."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def param_rows(setup: TrainSetup) -> list[dict[str, Any]]:
+    return [{"path": r.path, "shape": list(r.shape), "dtype": r.dtype, "logical": list(r.logical),
+             "spec": [e if e is None or isinstance(e, str) else list(e) for e in r.spec],
+             "bytes_per_device": r.bytes_per_device} for r in param_table(setup)]
+
+
+def to_json(ins: Inspection) -> dict[str, Any]:
+    """The JSON form of ``shardlib inspect`` (every value a plain type)."""
+    setup = ins.setup
+    return {
+        "mesh": dict(setup.sizes), "devices": int(setup.mesh.devices.size),
+        "platform": setup.mesh.devices.flat[0].platform,
+        "rules": {dim: list(axes) for dim, axes in setup.rules.items()},
+        "config": _plain(to_dict(setup.config)), "num_params": count_params(setup.config.model),
+        "compile_seconds": ins.compile_s,
+        "collectives": [collective_dict(c) for c in ins.collectives],
+        "comm_bytes_per_device": ins.comm_bytes,
+        "theory_comm_bytes_per_device": ins.theory_comm_bytes,
+        "comm_ratio": ins.comm_ratio,
+        "emulated_reduce_scatters": sum(c.emulated_reduce_scatter for c in ins.collectives),
+        "axes": per_axis(ins), "theory": [term_dict(t) for t in ins.terms],
+        "memory": ins.memory.to_dict(), "flops": ins.flops.to_dict(),
+        "params": param_rows(setup),
+    }
+
+
+def inspect(config: Config, devices: list[jax.Device] | None = None) -> dict[str, Any]:
+    """Compile ``config``'s train step without running it; see ``to_json``."""
+    return to_json(analyze(config, devices))
+
+
+# ----------------------------------------------------------------------------- text
+def _fmt_ratio(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.3f}"
+
+
+def collectives_table(ins: Inspection) -> Table:
+    """Collectives grouped by the mesh axes they span, each group against its theory."""
+    table = Table(title="Collectives per step, by mesh axis (bytes sent per device)",
+                  title_justify="left")
+    for col in ("axes", "kind", "dtype", "shape", "runs", "bytes/run", "bytes/step", "note"):
+        table.add_column(col, justify="right" if col.startswith(("runs", "bytes")) else "left")
+    groups: dict[str, list[Collective]] = defaultdict(list)
+    for c in ins.collectives:
+        groups[axis_key(c.axes)].append(c)
+    summary = per_axis(ins)
+    for key, row in summary.items():
+        for c in groups.get(key, []):
+            shape = ", ".join(map(str, c.result_shapes))
+            note = "all-reduce + dynamic-slice (2x)" if c.emulated_reduce_scatter else ""
+            table.add_row(key, c.kind, c.dtype, shape if len(shape) < 48 else shape[:45] + "...",
+                          str(c.count), format_bytes(c.bytes_per_device),
+                          format_bytes(c.total_bytes_per_device), note)
+        table.add_row(key, "total", "", "", "", "", format_bytes(row["measured"]),
+                      f"theory {format_bytes(row['theory'])}, ratio {_fmt_ratio(row['ratio'])}",
+                      style="bold", end_section=True)
+    return table
+
+
+def theory_table(ins: Inspection) -> Table:
+    table = Table(title="Theory (per device per step)", title_justify="left")
+    for col in ("axes", "kind", "term", "formula", "bytes"):
+        table.add_column(col, justify="right" if col == "bytes" else "left")
+    for t in ins.terms:
+        table.add_row(axis_key(t.axes), t.kind, t.name, t.formula, format_bytes(t.bytes_per_device))
+    return table
+
+
+def memory_table(ins: Inspection) -> Table:
+    m = ins.memory
+    table = Table(title="Memory per device", title_justify="left", show_header=False)
+    opt = lambda v: "n/a" if v is None else format_bytes(v)
+    rows = [("arguments (state + batch)", opt(m.argument_bytes)),
+            ("outputs (aliased to donated state)", f"{opt(m.output_bytes)} "
+             f"({opt(m.alias_bytes)} aliased)"),
+            ("temporaries", opt(m.temp_bytes)), ("peak estimate", opt(m.peak_bytes)),
+            ("params / optimizer state / batch", f"{format_bytes(m.params_bytes)} / "
+             f"{format_bytes(m.opt_state_bytes)} / {format_bytes(m.batch_bytes)}"),
+            ("state (params + opt) measured / theory",
+             f"{format_bytes(m.state_bytes_per_device)} / "
+             f"{format_bytes(m.theory_state_bytes_per_device)} = {m.state_ratio:.3f}")]
+    for key, value in rows:
+        table.add_row(key, value)
+    return table
+
+
+def flops_lines(ins: Inspection) -> list[str]:
+    f = ins.flops
+    xla = "n/a" if f.xla_flops_per_device is None else f"{f.xla_flops_per_device:,.0f}"
+    lines = [f"FLOPs per device per step: XLA {xla}, model 6 Psi + 12 L T d "
+             f"{f.model_flops_per_device:,.0f} (XLA / model {_fmt_ratio(f.xla_over_model)})"]
+    if f.scan_layers:
+        lines.append("  (scan_layers: XLA counts the scanned layer body once, not L times)")
+    return lines
+
+
+def render(ins: Inspection, console: Console | None = None) -> None:
+    """Print the whole report: sharding table, collectives, theory, memory, FLOPs."""
+    console = console or (Console() if sys.stdout.isatty() else Console(width=160))
+    setup, model = ins.setup, ins.setup.config.model
+    tc = setup.config.train
+    console.print(describe(setup.mesh))
+    console.print(rules_line(setup))
+    console.print(f"model {model.name}: {count_params(model):,} parameters, {model.num_layers} "
+                  f"layers, d_model {model.d_model}; batch {tc.batch_size} x {tc.seq_len} tokens; "
+                  f"compiled in {ins.compile_s:.1f} s")
+    console.print(sharding_table(setup))
+    console.print(collectives_table(ins))
+    console.print(theory_table(ins))
+    console.print(memory_table(ins))
+    for line in flops_lines(ins):
+        console.print(line)
+    emulated = sum(c.emulated_reduce_scatter for c in ins.collectives)
+    console.print(f"communication per device per step: measured {format_bytes(ins.comm_bytes)}, "
+                  f"theory {format_bytes(ins.theory_comm_bytes)}, "
+                  f"measured / theory {_fmt_ratio(ins.comm_ratio)}"
+                  + (f"; {emulated} reduce-scatter(s) emulated by all-reduce" if emulated else ""),
+                  style="bold")
