@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import warnings
 from collections.abc import Sequence
 
 from shardlib.config import Config, TrainConfig, apply_overrides, parse_mesh
@@ -33,6 +34,14 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rule", dest="rules", action="append", default=[],
                         metavar="DIM=AXIS[+AXIS]", help="override a sharding rule, e.g. "
                         "mlp=tensor or vocab=none")
+    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
+                        help="dtype policy; fp16 adds dynamic loss scaling (default fp32)")
+    parser.add_argument("--zero", type=int, help="ZeRO stage over the data axis: 1 shards "
+                        "optimizer state, 2 also gradients, 3 also parameters (= fsdp)")
+    parser.add_argument("--grad-accum", type=int, help="microbatches per optimizer step")
+    parser.add_argument("--remat", choices=("none", "full", "dots"),
+                        help="recompute layers in the backward pass: none, full, or keep only "
+                        "matmul outputs (dots)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +55,35 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--eval-every", type=int, help="evaluate every N steps (0: never)")
     train.add_argument("--log-every", type=int, help="sync and log every N steps")
     train.add_argument("--metrics-file", help="write JSON Lines metrics, one object per step")
+    train.add_argument("--checkpoint-dir", help="save sharded checkpoints here (its parent "
+                       "must exist); also on SIGTERM/SIGINT, which then stop the run")
+    train.add_argument("--checkpoint-every", type=int, help="save every N steps (default 100; "
+                       "0: only at the end)")
+    train.add_argument("--keep", type=int, help="keep the newest K checkpoints (default 3)")
+    train.add_argument("--resume", action="store_true", default=None, help="continue from the "
+                       "newest good checkpoint in --checkpoint-dir (fresh start if none)")
+    inspect = sub.add_parser("inspect", help="compile one train step (no run) and report its "
+                             "collectives, memory and FLOPs against theory")
+    add_model_flags(inspect)
+    inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    export = sub.add_parser("export", help="write a checkpoint's parameters to one "
+                            "safetensors file")
+    export.add_argument("--checkpoint-dir", required=True, help="a `train --checkpoint-dir`")
+    export.add_argument("--out", required=True, help="the .safetensors file to write")
+    export.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     return parser
+
+
+FLAG_FIELDS = {  # CLI flag (argparse dest) -> (config section, field)
+    "steps": ("train", "steps"), "batch_size": ("train", "batch_size"),
+    "seq_len": ("train", "seq_len"), "seed": ("train", "seed"), "data": ("train", "data"),
+    "eval_every": ("train", "eval_every"), "log_every": ("train", "log_every"),
+    "metrics_file": ("train", "metrics_file"), "grad_accum": ("train", "grad_accum"),
+    "lr": ("optim", "lr"), "precision": ("precision", "policy"), "zero": ("mesh", "zero"),
+    "remat": ("model", "remat"),
+    "checkpoint_dir": ("checkpoint", "dir"), "checkpoint_every": ("checkpoint", "every"),
+    "keep": ("checkpoint", "keep"), "resume": ("checkpoint", "resume"),
+}
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -57,14 +94,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
     config = Config(model=get_preset(args.model), rules=tuple(parse_rule(r) for r in args.rules))
     if args.mesh:
         config = dataclasses.replace(config, mesh=parse_mesh(args.mesh))
-    train_flags = {"steps": "steps", "batch_size": "batch_size", "seq_len": "seq_len",
-                   "seed": "seed", "data": "data", "eval_every": "eval_every",
-                   "log_every": "log_every", "metrics_file": "metrics_file"}
-    changes = {field: getattr(args, flag) for flag, field in train_flags.items()
-               if getattr(args, flag, None) is not None}
-    config = dataclasses.replace(config, train=dataclasses.replace(config.train, **changes))
-    if getattr(args, "lr", None) is not None:
-        config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, lr=args.lr))
+    for flag, (section, field) in FLAG_FIELDS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            part = dataclasses.replace(getattr(config, section), **{field: value})
+            config = dataclasses.replace(config, **{section: part})
     config = apply_overrides(config, args.overrides)
     check_train_config(config.train)
     return config
@@ -94,19 +128,64 @@ def run_train(args: argparse.Namespace) -> int:
     if config.model.max_seq_len < config.train.seq_len and config.model.pos_embedding == "learned":
         raise ShardlibError(f"--seq-len {config.train.seq_len}: exceeds model.max_seq_len="
                             f"{config.model.max_seq_len}; shorten it or raise model.max_seq_len")
+    check_checkpoint_flags(args, config)
     devices = setup_devices(args.devices)
     reporters = [ConsoleReporter(config.train.steps)]
     if config.train.metrics_file:
         reporters.append(MetricsFile(config.train.metrics_file))
-    train(config, devices=devices, reporter=Reporters(*reporters))
+    result = train(config, devices=devices, reporter=Reporters(*reporters))
+    if result.stopped_by:
+        print(f"stopped by {result.stopped_by}; checkpoint step {result.checkpoint_step} saved in "
+              f"{config.checkpoint.dir}; continue with --resume", file=sys.stderr, flush=True)
+        return 130 if result.stopped_by == "SIGINT" else 0
     return 0
 
 
-COMMANDS = {"train": run_train}
+def check_checkpoint_flags(args: argparse.Namespace, config: Config) -> None:
+    """Checkpoint flags without a directory would silently do nothing."""
+    used = [flag for flag in ("checkpoint_every", "keep", "resume")
+            if getattr(args, flag, None) is not None]
+    if config.checkpoint.resume and "resume" not in used:
+        used.append("resume")
+    if used and not config.checkpoint.dir:
+        names = ", ".join("--" + flag.replace("_", "-") for flag in used)
+        raise ShardlibError(f"{names}: needs --checkpoint-dir DIR")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from shardlib.export import export_safetensors
+
+    done = export_safetensors(args.checkpoint_dir, args.out, step=args.step)
+    print(f"exported step {done.step}: {done.tensors} tensors, {done.params:,} parameters, "
+          f"{done.bytes / 2**20:.1f} MiB -> {done.path}", flush=True)
+    return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from shardlib.analysis.report import analyze, render, to_json
+
+    config = config_from_args(args)
+    inspection = analyze(config, setup_devices(args.devices))
+    if args.json:
+        print(json.dumps(to_json(inspection)), flush=True)
+    else:
+        render(inspection)
+    return 0
+
+
+COMMANDS = {"train": run_train, "inspect": run_inspect, "export": run_export}
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    """One line per warning (``shardlib: warning: ...``), no source location."""
+    return f"shardlib: warning: {message}\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.formatwarning = _format_warning
     try:
         return COMMANDS[args.command](args)
     except ShardlibError as err:

@@ -15,3 +15,11 @@ class MeshError(ConfigError):
 
 class ShardingError(ConfigError):
     """A sharding rule conflicts, names an unknown axis, or does not divide a dim."""
+
+
+class CheckpointError(ShardlibError):
+    """A checkpoint directory is unusable, or a checkpoint does not fit the model."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A finished checkpoint has a missing, truncated or unreadable file."""

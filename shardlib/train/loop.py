@@ -1,5 +1,5 @@
-"""The training loop: build the setup, initialise sharded state, compile, step, log,
-evaluate, and end with a summary and a generated sample.
+"""The training loop: build the setup, initialise (or resume) sharded state, compile, step,
+log, evaluate, checkpoint, and end with a summary and a generated sample.
 
 The host syncs only when it logs (every ``train.log_every`` steps) or evaluates;
 between those, steps are dispatched asynchronously and their metrics stay on device.
@@ -7,6 +7,9 @@ between those, steps are dispatched asynchronously and their metrics stay on dev
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +18,7 @@ import jax
 import numpy as np
 
 from shardlib import data as data_lib
+from shardlib.checkpoint import Checkpointer, open_for_training
 from shardlib.config import Config
 from shardlib.models import count_params
 from shardlib.reporting import NullReporter, Reporter
@@ -30,6 +34,9 @@ class TrainResult:
     history: list[dict[str, Any]] = field(default_factory=list)  # one row per step
     summary: dict[str, Any] = field(default_factory=dict)
     sample: str = ""
+    resumed_from: int | None = None  # checkpoint step the run continued from
+    stopped_by: str | None = None  # "SIGTERM"/"SIGINT" if a signal stopped it early
+    checkpoint_step: int | None = None  # newest checkpoint on disk at the end
 
 
 def evaluate(eval_step, params, val: data_lib.Batches, setup: TrainSetup, count: int) -> float:
@@ -44,7 +51,7 @@ def _rows(pending: list[tuple[int, dict]], seconds: float, tokens: int) -> list[
     step_time = seconds / len(pending)
     fetched = jax.device_get([m for _, m in pending])
     return [
-        {"step": step, **{k: float(v) for k, v in metrics.items()},
+        {"step": step, **{k: np.asarray(v).item() for k, v in metrics.items()},
          "step_time_s": step_time, "tokens_per_sec": tokens / step_time}
         for (step, _), metrics in zip(pending, fetched, strict=True)
     ]
@@ -52,44 +59,114 @@ def _rows(pending: list[tuple[int, dict]], seconds: float, tokens: int) -> list[
 
 def train(config: Config, *, devices: list[jax.Device] | None = None,
           reporter: Reporter | None = None, state: TrainState | None = None) -> TrainResult:
-    """Train ``config.model`` for ``config.train.steps`` steps on ``config.mesh``."""
-    reporter = reporter or NullReporter()
-    tc = config.train
-    setup = build_setup(config, devices)
-    train_data, val_data = data_lib.make_batches(tc.data, tc.batch_size, tc.seq_len, tc.seed)
-    state = state if state is not None else init_state(setup, tc.seed)
-    reporter.on_start(setup, {"params": count_params(config.model)})
+    """Train ``config.model`` for ``config.train.steps`` steps on ``config.mesh``.
 
-    first = data_lib.global_batch(train_data, int(state.step), setup.batch_sharding)
-    started = time.perf_counter()
-    step_fn = make_train_step(setup).lower(state, first).compile()
-    compile_s = time.perf_counter() - started
-    eval_step = make_eval_step(setup)
+    With ``config.checkpoint.dir`` set, it saves every ``checkpoint.every`` steps and at the
+    end, resumes with ``checkpoint.resume``, and on SIGTERM/SIGINT saves and stops early.
+    """
+    reporter = reporter or NullReporter()
+    checkpointer = open_for_training(config.checkpoint)  # a bad directory fails first
+    setup = build_setup(config, devices)
     result = TrainResult(state, setup)
+    if state is None and checkpointer is not None and config.checkpoint.resume:
+        state = checkpointer.restore_latest(setup)
+        result.resumed_from = None if state is None else int(state.step)
+    state = state if state is not None else init_state(setup, config.train.seed)
+    reporter.on_start(setup, {"params": count_params(config.model)})
+    started = time.perf_counter()
+    with StopSignals(enabled=checkpointer is not None) as stop:
+        state, compile_s = _run(setup, state, result, reporter, checkpointer, stop)
+    result.state = state
+    result.summary = summarize(result.history, compile_s, time.perf_counter() - started)
+    if checkpointer is not None:
+        _final_save(checkpointer, state, config, result)
+    result.sample = "" if result.stopped_by else _sample(setup, state, config.train)
+    reporter.on_end(result.summary, result.sample)
+    return result
+
+
+def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Reporter,
+         checkpointer: Checkpointer | None, stop: StopSignals) -> tuple[TrainState, float]:
+    """Compile, then step from ``state.step`` to ``train.steps``: log every ``log_every``
+    steps, save every ``checkpoint.every``, and stop before the next step on a signal."""
+    tc = setup.config.train
+    train_data, val_data = data_lib.make_batches(tc.data, tc.batch_size, tc.seq_len, tc.seed)
+    first = data_lib.global_batch(train_data, int(state.step), setup.batch_sharding)
+    tick = time.perf_counter()
+    step_fn = make_train_step(setup).lower(state, first).compile()
+    compile_s = time.perf_counter() - tick
+    eval_step = make_eval_step(setup)
     tokens = tc.batch_size * tc.seq_len
     pending: list[tuple[int, dict]] = []
     tick = time.perf_counter()
     first_step = int(state.step) + 1
     for step in range(first_step, tc.steps + 1):
+        if stop.signal:
+            result.stopped_by = stop.signal
+            break
         batch = first if step == first_step else data_lib.global_batch(
             train_data, step - 1, setup.batch_sharding)
         state, metrics = step_fn(state, batch)
         pending.append((step, metrics))
+        if checkpointer is not None and checkpointer.should_save(step):
+            checkpointer.save(step, state, setup.config)
         do_eval = tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.steps)
         if do_eval or step % tc.log_every == 0 or step == tc.steps:
             rows = _rows(pending, time.perf_counter() - tick, tokens)
-            pending = []
             if do_eval:
                 rows[-1]["eval_loss"] = evaluate(eval_step, state.params, val_data, setup,
                                                  tc.eval_batches)
-            result.history.extend(rows)
-            reporter.on_steps(rows)
-            tick = time.perf_counter()
-    result.state = state
-    result.summary = summarize(result.history, compile_s, time.perf_counter() - started)
-    result.sample = _sample(setup, state, tc)
-    reporter.on_end(result.summary, result.sample)
-    return result
+            _report(result, reporter, rows)
+            pending, tick = [], time.perf_counter()
+    if pending:  # stopped by a signal between two log steps
+        _report(result, reporter, _rows(pending, time.perf_counter() - tick, tokens))
+    return state, compile_s
+
+
+def _report(result: TrainResult, reporter: Reporter, rows: list[dict[str, Any]]) -> None:
+    result.history.extend(rows)
+    reporter.on_steps(rows)
+
+
+def _final_save(checkpointer: Checkpointer, state: TrainState, config: Config,
+                result: TrainResult) -> None:
+    """Save the last state (unless it is saved already), wait for every write to finish."""
+    step = int(state.step)
+    if step > 0:
+        checkpointer.save(step, state, config)
+    checkpointer.close()
+    result.checkpoint_step = checkpointer.latest_step()
+    result.summary.update(checkpoint_step=result.checkpoint_step,
+                          resumed_from_step=result.resumed_from)
+
+
+class StopSignals:
+    """While active, SIGTERM and SIGINT only set ``signal``: the loop finishes its step,
+    saves and stops. A second signal raises KeyboardInterrupt. Main thread only."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.signal: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if self.enabled:
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.signal is not None:
+            raise KeyboardInterrupt(f"second {name}")
+        self.signal = name
+        os.write(2, f"{name}: saving a checkpoint after this step, then stopping "
+                    "(send it again to stop at once)\n".encode())
 
 
 def summarize(history: list[dict[str, Any]], compile_s: float, total_s: float) -> dict[str, Any]:
