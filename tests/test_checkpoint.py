@@ -47,7 +47,8 @@ def ckpt_config(directory: Path | None, *, every: int = 10, resume: bool = False
 
 
 def host_leaves(state) -> list[np.ndarray]:
-    return [np.asarray(x) for x in jax.tree.leaves(state)]
+    """Host copies (not views: a later donating step may reuse the device buffers)."""
+    return [np.array(x, copy=True) for x in jax.tree.leaves(state)]
 
 
 def assert_bitwise(a: list[np.ndarray], b: list[np.ndarray]) -> None:
@@ -85,11 +86,10 @@ def test_saved_config_is_the_runs_config(reference):
 # -- restore onto another mesh --------------------------------------------------------
 
 
-def run_on(setup, state, start: int, count: int):
+def run_on(setup, step_fn, state, start: int, count: int):
     """``count`` train steps from batch ``start``: (state, losses)."""
     tc = setup.config.train
     batches, _ = data_lib.make_batches(tc.data, tc.batch_size, tc.seq_len, tc.seed)
-    step_fn = make_train_step(setup)
     out = []
     for i in range(start, start + count):
         state, metrics = step_fn(state, data_lib.global_batch(batches, i, setup.batch_sharding))
@@ -106,7 +106,8 @@ HOPS = [  # the reference trained on data=8; each hop restores the previous hop'
 
 def test_restore_onto_other_meshes_continues_like_the_original(reference, tmp_path):
     """data=8 -> fsdp=4,tensor=2 -> 1 device -> fsdp=8: each restore is bitwise the saved
-    state, placed in the new shardings; continued losses match the data=8 run's."""
+    state, placed in the new shardings; continued losses match the data=8 run's. On each
+    mesh an async save is followed at once by donating steps: it still holds its step."""
     full, directory = reference
     saved, step, continued = None, 10, []
     for hop, (mesh, num_devices, count) in enumerate(HOPS):
@@ -118,8 +119,14 @@ def test_restore_onto_other_meshes_continues_like_the_original(reference, tmp_pa
         for array, sharding in zip(jax.tree.leaves(state),
                                    jax.tree.leaves(setup.state_shardings), strict=True):
             assert array.sharding.is_equivalent_to(sharding, array.ndim), (hop, sharding)
-        state, hop_losses = run_on(setup, state, step, count)
-        continued += hop_losses
+        step_fn = make_train_step(setup)
+        state, first_loss = run_on(setup, step_fn, state, step, 1)
+        snapshot, side = host_leaves(state), Checkpointer(tmp_path / f"async{hop}")
+        side.save(step + 1, state, setup.config)  # returns at once; the next steps donate
+        state, rest = run_on(setup, step_fn, state, step + 1, count - 1)
+        side.wait()
+        assert_bitwise(host_leaves(side.restore(setup, step + 1)), snapshot)
+        continued += first_loss + rest
         step, directory = step + count, tmp_path / f"hop{hop}"
         saved = host_leaves(state)
         Checkpointer(directory).save(step, state, setup.config, wait=True)
