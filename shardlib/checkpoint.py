@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import tempfile
 import threading
@@ -35,6 +36,7 @@ from shardlib.train.state import TrainSetup, TrainState, abstract_state
 FILE_LIST = "shardlib_files.json"
 ITEMS = ("state", "config")
 _TMP_DIR = re.compile(r"^(\d+)\..*tmp")  # orbax's '<step>.orbax-checkpoint-tmp[-<time>]'
+
 
 class CheckpointWarning(UserWarning):
     """A checkpoint step was skipped: never finished, or damaged."""
@@ -79,14 +81,20 @@ def incomplete_steps(directory: Path) -> list[int]:
 
 
 def host_copy(state: Any) -> Any:
-    """Every array copied to pinned host memory (a device copy where there is none),
-    dispatched asynchronously: the training loop does not wait for it."""
+    """Every array copied where the next (donating) step cannot touch it: to pinned host
+    memory (a device copy where there is none), dispatched asynchronously. The next step
+    waits for the copy only where it reuses the buffers, so the loop pays a memcpy on
+    CPU and, on GPU/TPU, about a device-to-host transfer."""
     leaves, treedef = jax.tree.flatten(state)
-    device = next(iter(leaves[0].sharding.device_set))
+    where = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    device = next(iter(leaves[where[0]].sharding.device_set))
     pinned = any(m.kind == "pinned_host" for m in device.addressable_memories())
-    shardings = [x.sharding.with_memory_kind("pinned_host") if pinned else x.sharding
-                 for x in leaves]
-    return treedef.unflatten(jax.device_put(leaves, shardings, may_alias=False))
+    shardings = [leaves[i].sharding.with_memory_kind("pinned_host") if pinned
+                 else leaves[i].sharding for i in where]
+    copies = jax.device_put([leaves[i] for i in where], shardings, may_alias=False)
+    for i, copy in zip(where, copies, strict=True):
+        leaves[i] = copy
+    return treedef.unflatten(leaves)
 
 
 def leaf_path(keys: tuple) -> str:
@@ -108,7 +116,8 @@ class Checkpointer:
         self.every = every
         self.read_only = read_only
         self._saving: int | None = None
-        self._handoff: threading.Thread | None = None
+        self._jobs: queue.Queue = queue.Queue()  # saves for the hand-off thread
+        self._worker: threading.Thread | None = None  # started by the first save
         self._handoff_error: Exception | None = None
         for step in incomplete_steps(self.directory):
             _warn(f"checkpoint step {step} in {self.directory} was never finished (killed "
@@ -133,9 +142,9 @@ class Checkpointer:
 
     def save(self, step: int, state: TrainState, config: Config, *, wait: bool = False) -> None:
         """Save ``state`` as ``step`` (no-op if it exists) and return at once, unless
-        ``wait``: the arrays are copied to host memory asynchronously, where the next
-        (donating) step cannot touch them; a thread hands the copy to orbax, which writes
-        the files in the background. One save is in flight at a time."""
+        ``wait``: the arrays are copied asynchronously (``host_copy``) where the next,
+        donating, step cannot touch them; a waiting thread hands the copy to orbax, which
+        writes the files in the background. One save is in flight at a time."""
         if self.read_only:
             raise CheckpointError(f"{self.directory}: opened read-only; cannot save")
         if step in self.steps():  # also waits for the previous hand-off
@@ -146,24 +155,31 @@ class Checkpointer:
                                   config=ocp.args.JsonSave(to_dict(config)))
         if jax.process_count() > 1:  # orbax's cross-process barriers stay on this thread
             self._manager.save(step, args=args, force=True)
-        else:
-            self._handoff = threading.Thread(target=self._save_now, args=(step, args),
-                                             name=f"shardlib-save-{step}", daemon=True)
-            self._handoff.start()
+        else:  # a waiting thread: starting one per save would stall on the GIL
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._hand_off, daemon=True,
+                                                name="shardlib-checkpoint")
+                self._worker.start()
+            self._jobs.put((step, args))
         if wait:
             self.wait()
 
-    def _save_now(self, step: int, args: ocp.args.Composite) -> None:
-        try:
-            self._manager.save(step, args=args, force=True)
-        except Exception as err:  # re-raised on the training thread by _join()
-            self._handoff_error = err
+    def _hand_off(self) -> None:
+        """The hand-off thread: one orbax save per queued job, until None (close)."""
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                self._manager.save(job[0], args=job[1], force=True)
+            except Exception as err:  # re-raised on the training thread by _join()
+                self._handoff_error = err
+            finally:
+                self._jobs.task_done()
 
     def _join(self) -> None:
-        """Wait for the hand-off thread; raise its error, naming the step."""
-        if self._handoff is not None:
-            self._handoff.join()
-            self._handoff = None
+        """Wait until orbax has the queued save; raise its error, naming the step."""
+        self._jobs.join()
         if self._handoff_error is not None:
             err, self._handoff_error = self._handoff_error, None
             raise CheckpointError(f"saving checkpoint step {self._saving} in "
@@ -176,6 +192,10 @@ class Checkpointer:
 
     def close(self) -> None:
         self._join()
+        if self._worker is not None:
+            self._jobs.put(None)
+            self._worker.join()
+            self._worker = None
         self._manager.close()
 
     def _write_file_list(self) -> None:
