@@ -25,7 +25,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from shardlib.errors import ShardlibError
+from shardlib.analysis.hlo_text import (
+    HloModule,
+    HloParseError,
+    Instr,
+    computation_runs,
+    parse_module,
+)
 
 KINDS: tuple[str, ...] = (
     "all-reduce", "all-gather", "reduce-scatter", "all-to-all",
@@ -46,9 +52,6 @@ EMULATED_RS_NOTE = "reduce-scatter done as all-reduce + dynamic-slice: 2x the mi
 _PASSTHROUGH = {"bitcast", "reshape", "copy", "transpose", "convert", "get-tuple-element",
                 "bitcast-convert", "all-reduce-done"}
 
-
-class HloParseError(ShardlibError, ValueError):
-    """HLO text that cannot be read, or a mesh that does not fit it."""
 
 
 @dataclass(frozen=True)
@@ -108,113 +111,6 @@ class Traffic(NamedTuple):
 
     count: int
     bytes: int
-
-
-# ----------------------------------------------------------------------------- text
-@dataclass
-class _Instr:
-    name: str
-    shape: str
-    opcode: str
-    operands: tuple[str, ...]
-    raw_operands: tuple[str, ...]  # with inline types where the printer gave them
-    attrs: str
-    line: str
-
-
-@dataclass
-class _Module:
-    comps: dict[str, list[_Instr]]
-    entry: str
-    num_partitions: int | None
-    by_name: dict[str, dict[str, _Instr]] = field(default_factory=dict)
-    users_of: dict[str, dict[str, list[_Instr]]] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for comp, instrs in self.comps.items():
-            self.by_name[comp] = {i.name: i for i in instrs}
-            self.users_of[comp] = defaultdict(list)
-            for i in instrs:
-                for operand in dict.fromkeys(i.operands):
-                    self.users_of[comp][operand].append(i)
-
-    def find(self, comp: str, name: str) -> _Instr | None:
-        return self.by_name.get(comp, {}).get(name)
-
-    def users(self, comp: str, name: str) -> list[_Instr]:
-        return self.users_of.get(comp, {}).get(name, [])
-
-
-_INSTR_HEAD = re.compile(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
-_HEADER = re.compile(r"\s*(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*)?\{\s*$")
-
-
-_DEPTH = {"(": 1, "{": 1, "[": 1, ")": -1, "}": -1, "]": -1}
-
-
-def _close(text: str, start: int) -> int:
-    """Index just past the bracket that closes ``text[start]``."""
-    depth = 0
-    for i in range(start, len(text)):
-        depth += _DEPTH.get(text[i], 0)
-        if depth == 0:
-            return i + 1
-    return len(text)
-
-
-def _split_top(text: str) -> list[str]:
-    """Split on commas outside brackets."""
-    parts, depth, cur = [], 0, []
-    for ch in text:
-        depth += _DEPTH.get(ch, 0)
-        if ch == "," and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    parts.append("".join(cur))
-    return [p.strip() for p in parts if p.strip()]
-
-
-def _parse_instr(line: str) -> _Instr | None:
-    head = _INSTR_HEAD.match(line)
-    if not head:
-        return None
-    pos = head.end()
-    end = _close(line, pos) if line[pos:pos + 1] == "(" else line.find(" ", pos)
-    if end < 0:
-        return None
-    op = re.match(r"\s*([\w\-]+)\(", line[end:])
-    if not op:
-        return None
-    open_at = end + op.end() - 1
-    close_at = _close(line, open_at)
-    raw = tuple(_split_top(line[open_at + 1:close_at - 1]))
-    operands = tuple(p.split()[-1].lstrip("%") for p in raw)
-    return _Instr(head.group(1), line[pos:end].strip(), op.group(1), operands, raw,
-                  line[close_at:].lstrip(", "), line.strip())
-
-
-def _parse_module(text: str) -> _Module:
-    comps: dict[str, list[_Instr]] = {}
-    entry, current = "", None
-    for line in re.sub(r"/\*.*?\*/", "", text).splitlines():  # drop /*index=5*/ comments
-        if current is None:
-            header = _HEADER.match(line)
-            if header and not _INSTR_HEAD.match(line) and not line.startswith("HloModule"):
-                current = header.group(2)
-                comps[current] = []
-                entry = current if header.group(1) else entry
-        elif line.strip().startswith("}"):
-            current = None
-        elif (instr := _parse_instr(line)) is not None:
-            comps[current].append(instr)
-        elif line.strip() and comps[current]:  # hand-written HLO: attributes on later lines
-            comps[current][-1] = _parse_instr(comps[current][-1].line + " " + line.strip())
-    if not comps:
-        raise HloParseError("hlo: no computations found; pass compiled.as_text() of a jit")
-    parts = re.search(r"num_partitions=(\d+)", text)
-    return _Module(comps, entry or list(comps)[-1], int(parts.group(1)) if parts else None)
 
 
 def _shapes(text: str) -> tuple[ArrayShape, ...]:
@@ -310,59 +206,8 @@ def _axes_of(groups: Sequence[Sequence[int]], mesh: Mesh) -> tuple[tuple[str, ..
     return axes, [f"groups of {len(groups[0])} are part of axes {axes} ({full} devices)"]
 
 
-# ----------------------------------------------------------------------------- call graph
-def _callees(instr: _Instr) -> list[tuple[str, int, str]]:
-    """(computation, runs per run of ``instr``, note) for computations it calls."""
-    if instr.opcode.endswith(("-done", "-update")):
-        return []  # async-done repeats the start's calls=; counting it would double
-    attrs = re.sub(r'metadata=\{[^}]*\}', "", instr.attrs)
-    found = re.findall(r"\b(body|condition|to_apply|calls|true_computation|false_computation)"
-                       r"=%?([\w.\-]+)", attrs)
-    branches = re.findall(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}", attrs)
-    out = []
-    trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
-    for role, comp in found:
-        if instr.opcode != "while":
-            out.append((comp, 1, ""))
-        elif trip:
-            out.append((comp, int(trip.group(1)) + (role == "condition"), ""))
-        else:
-            out.append((comp, 1, f"{instr.name}: unknown trip count, counted once"))
-    for names in branches:
-        note = "in a conditional branch: counted as if it ran" if instr.opcode == "conditional" \
-            else ""
-        out += [(n.strip().lstrip("%"), 1, note) for n in names.split(",") if n.strip()]
-    return out
-
-
-def _counts(module: _Module) -> dict[str, tuple[int, tuple[str, ...]]]:
-    """Runs of each computation per call of the entry, with notes on how it was counted."""
-    callers: dict[str, list[tuple[str, int, str]]] = defaultdict(list)
-    for comp, instrs in module.comps.items():
-        for instr in instrs:
-            for callee, mult, note in _callees(instr):
-                callers[callee].append((comp, mult, note))
-    memo: dict[str, tuple[int, tuple[str, ...]]] = {module.entry: (1, ())}
-
-    def count(comp: str, seen: frozenset[str]) -> tuple[int, tuple[str, ...]]:
-        if comp not in memo:
-            total, notes = 0, []
-            for caller, mult, note in callers.get(comp, []):
-                if caller in seen:
-                    continue
-                runs, caller_notes = count(caller, seen | {comp})
-                total += runs * mult
-                notes += [*caller_notes, *([note] if note and runs else [])]
-            if not callers.get(comp):
-                notes.append("not reachable from the entry computation")
-            memo[comp] = (total, tuple(dict.fromkeys(notes)))
-        return memo[comp]
-
-    return {comp: count(comp, frozenset()) for comp in module.comps}
-
-
 # ----------------------------------------------------------------------------- analysis
-def _feeds_dynamic_slice(module: _Module, comp: str, name: str, depth: int = 0) -> bool:
+def _feeds_dynamic_slice(module: HloModule, comp: str, name: str, depth: int = 0) -> bool:
     """True if ``name`` reaches a shrinking dynamic-slice's data operand (see module doc)."""
     for user in module.users(comp, name) if depth <= 8 else []:
         if user.opcode == "dynamic-slice" and user.operands[0] == name:
@@ -375,7 +220,7 @@ def _feeds_dynamic_slice(module: _Module, comp: str, name: str, depth: int = 0) 
     return False
 
 
-def _hops(module: _Module, comp: str, user: _Instr, name: str) -> list[tuple[str, str]]:
+def _hops(module: HloModule, comp: str, user: Instr, name: str) -> list[tuple[str, str]]:
     """Where the value ``name`` goes on through ``user``: itself, or a fusion parameter."""
     if user.opcode in _PASSTHROUGH:
         return [(comp, user.name)]
@@ -402,7 +247,7 @@ def _bytes_sent(kind: str, n: int, b_in: int, b_out: int) -> int:
     return round(sent)
 
 
-def _operand_shapes(module: _Module, comp: str, instr: _Instr) -> tuple[ArrayShape, ...]:
+def _operand_shapes(module: HloModule, comp: str, instr: Instr) -> tuple[ArrayShape, ...]:
     shapes: tuple[ArrayShape, ...] = ()
     for operand, raw in zip(instr.operands, instr.raw_operands, strict=True):
         source = module.find(comp, operand)
@@ -410,7 +255,8 @@ def _operand_shapes(module: _Module, comp: str, instr: _Instr) -> tuple[ArraySha
     return shapes
 
 
-def _result_shapes(module: _Module, comp: str, instr: _Instr, n_ops: int) -> tuple[ArrayShape, ...]:
+def _result_shapes(module: HloModule, comp: str, instr: Instr,
+                   n_ops: int) -> tuple[ArrayShape, ...]:
     """Result of a sync op, or of the matching ``-done`` of an async ``-start``."""
     if not instr.opcode.endswith("-start"):
         return _shapes(instr.shape)
@@ -427,7 +273,7 @@ def _result_shapes(module: _Module, comp: str, instr: _Instr, n_ops: int) -> tup
     return flat[n_ops:2 * n_ops] if len(flat) >= 2 * n_ops and n_ops else flat
 
 
-def _collective(module: _Module, comp: str, instr: _Instr, mesh: Mesh,
+def _collective(module: HloModule, comp: str, instr: Instr, mesh: Mesh,
                 runs: tuple[int, tuple[str, ...]]) -> Collective:
     kind = instr.opcode.removesuffix("-start")
     operands = _operand_shapes(module, comp, instr)
@@ -466,11 +312,11 @@ def _collective(module: _Module, comp: str, instr: _Instr, mesh: Mesh,
 # ----------------------------------------------------------------------------- public
 def parse_collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
     """Every collective in compiled HLO text, in program order, mapped onto ``mesh``."""
-    module = _parse_module(hlo_text)
+    module = parse_module(hlo_text)
     if module.num_partitions not in (None, 1, mesh.devices.size):
         raise HloParseError(f"hlo: num_partitions={module.num_partitions} but the mesh has "
                             f"{mesh.devices.size} devices; pass the mesh it was compiled for")
-    counts = _counts(module)
+    counts = computation_runs(module)
     wanted = set(KINDS) | {k + "-start" for k in KINDS}
     return [_collective(module, comp, instr, mesh, counts[comp])
             for comp, instrs in module.comps.items()
