@@ -4,8 +4,10 @@ restore time (same mesh and another mesh), for the default and the 124M model.
 For each model: train a step, then per round
   * sync save: ``save(wait=True)``, until the step folder is final;
   * stall: how much longer the loop waits to dispatch its next step: ``save()`` (it
-    dispatches a copy of the state, hands it to a writer thread and returns) plus the
-    wait of the next, donating, step for that copy;
+    hands the state to a writer thread and returns) plus the wait of the next step.
+    As in the training loop, the step after a save is a non-donating build of the same
+    step, so the saved arrays stay valid and nothing is copied; ``--copy`` measures
+    the alternative instead: dispatch a copy of the state and keep the donating step;
   * loop slowdown: K train steps dispatched back to back with an async save at their
     start, minus the same K steps without one. On a CPU-only host the "devices" and the
     background writer share the same cores, so this adds the writer's CPU time to the
@@ -60,14 +62,17 @@ def bench_model(name: str, args: argparse.Namespace, devices, root: Path) -> dic
     batch = data_lib.global_batch(batches, 0, setup.batch_sharding)
     state = init_state(setup, tc.seed)
     step_fn = make_train_step(setup).lower(state, batch).compile()
+    keep_fn = make_train_step(setup, donate=False).lower(state, batch).compile()
 
     def run(state, count: int, save_step: int | None = None):
         """``count`` steps, the first after an async save if ``save_step``; returns the
         state and how long the loop was held up before the first step was dispatched."""
         start = time.perf_counter()
-        if save_step is not None:
-            checkpointer.save(save_step, state, config)
-        state, _ = step_fn(state, batch)  # waits if it must reuse buffers still being copied
+        first_fn = step_fn
+        if save_step is not None:  # as the training loop does: no copy, a keeping step
+            checkpointer.save(save_step, state, config, copy=args.copy)
+            first_fn = step_fn if args.copy else keep_fn
+        state, _ = first_fn(state, batch)  # waits if it must reuse buffers being copied
         held = time.perf_counter() - start
         for _ in range(count - 1):
             state, _ = step_fn(state, batch)
@@ -104,7 +109,7 @@ def bench_model(name: str, args: argparse.Namespace, devices, root: Path) -> dic
         "loop_slowdown_s": slowdown, "slowdown_ratio": slowdown / sync_s,
         "write_after_loop_s": statistics.median(tails),
         "restore_s": restore_same, "restore_other_mesh_s": restore_other,
-        "other_mesh": args.other_mesh,
+        "other_mesh": args.other_mesh, "save_mode": "copy" if args.copy else "keep",
     }
 
 
@@ -141,6 +146,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--copy", action="store_true", help="save a copy of the state and "
+                        "keep the donating step (instead of the loop's non-donating step)")
     parser.add_argument("--devices", type=int, default=None)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     args = parser.parse_args()

@@ -3,9 +3,11 @@
 Every configuration is compiled ahead of time (nothing runs): the persistent state
 (params + optimizer state, from the shardings) is held against the formula in
 ``shardlib.analysis.theory`` and XLA's temporaries show what remat saves. Writes
-``experiments/results/memory_zero.csv`` and ``.png`` and prints the table.
+``experiments/results/memory_zero.csv`` and ``.png`` and prints the table. Then it runs
+a few real steps of each remat policy (ZeRO 0, fp32) to print what the memory saving
+costs in step time (``--time-steps 0`` skips that).
 
-    python experiments/memory_zero.py [--models tiny,small]
+    python experiments/memory_zero.py [--models tiny,small] [--time-steps 12]
 """
 
 from __future__ import annotations
@@ -29,6 +31,20 @@ def measure(config, devices) -> dict:
             "formula_bytes": m.theory_state_bytes_per_device,
             "ratio": m.state_bytes_per_device / m.theory_state_bytes_per_device,
             "temp_bytes": m.temp_bytes, "argument_bytes": m.argument_bytes}
+
+
+def remat_step_time(model: str, remat: str, args: argparse.Namespace, devices) -> float:
+    """Median step time (s) of a short real run with this remat policy, data=8."""
+    from shardlib.config import Config, MeshConfig, TrainConfig
+    from shardlib.models import get_preset
+    from shardlib.train.loop import train
+
+    config = Config(mesh=MeshConfig(data=8),
+                    model=dataclasses.replace(get_preset(model), remat=remat),
+                    train=TrainConfig(steps=args.time_steps, batch_size=args.batch_size,
+                                      seq_len=args.seq_len, log_every=1, eval_every=0,
+                                      sample_tokens=0))
+    return train(config, devices=devices).summary["step_time_s"]
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -60,6 +76,8 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,small")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--time-steps", type=int, default=12,
+                        help="steps per remat policy for the step-time cost (0: skip)")
     args = parser.parse_args()
     devices = setup_devices(8)
 
@@ -95,6 +113,12 @@ def main() -> None:
                 if r["model"] == model and r["zero"] == 0 and r["precision"] == "fp32"}
         print(f"{model}: remat=full cuts temporaries by {1 - base['full'] / base['none']:.0%}, "
               f"remat=dots by {1 - base['dots'] / base['none']:.0%}")
+        if args.time_steps:
+            times = {remat: remat_step_time(model, remat, args, devices)
+                     for remat in ("none", "dots", "full")}
+            print(f"{model}: median step time, data=8: " + ", ".join(
+                f"remat={r} {t * 1e3:.0f} ms ({t / times['none'] - 1:+.0%})"
+                for r, t in times.items()), flush=True)
     print(f"max state / formula: {max(r['ratio'] for r in rows):.3f}")
 
 

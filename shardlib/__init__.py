@@ -5,10 +5,22 @@ rules choose the strategy; ``jax.jit`` with explicit shardings lets XLA insert t
 collectives.
 """
 
-from shardlib.config import Config, MeshConfig, ModelConfig, OptimConfig, TrainConfig
-from shardlib.errors import ConfigError, MeshError, ShardingError, ShardlibError
+from shardlib.analysis.mfu import peak_flops
+from shardlib.config import (
+    AttentionConfig,
+    Config,
+    MeshConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+)
+from shardlib.errors import ConfigError, DistributedError, MeshError, ShardingError, ShardlibError
 from shardlib.mesh import make_mesh, simulate_cpu_devices
-from shardlib.models import GPT, count_params, get_preset
+from shardlib.models import GPT, count_params, from_pretrained, get_preset, save_pretrained
+from shardlib.models.moe import MoEMLP
+from shardlib.parallel.context import sequence_attention
+from shardlib.planner import plan
+from shardlib.reshard import reshard, reshard_cost
 from shardlib.train.generate import generate
 from shardlib.train.loop import TrainResult, train
 from shardlib.train.state import TrainSetup, TrainState, build_setup, init_state, param_table
@@ -17,8 +29,13 @@ from shardlib.train.step import make_eval_step, make_train_step
 __version__ = "0.1.0"
 
 __all__ = [
-    "GPT", "Config", "ConfigError", "MeshConfig", "MeshError", "ModelConfig", "OptimConfig",
+    "GPT", "AttentionConfig", "Config", "ConfigError", "DistributedError", "MeshConfig",
+    "MeshError", "ModelConfig",
+    "OptimConfig",
     "ShardingError", "ShardlibError", "TrainConfig", "TrainResult", "TrainSetup", "TrainState",
-    "build_setup", "count_params", "generate", "get_preset", "init_state", "make_eval_step",
-    "make_mesh", "make_train_step", "param_table", "simulate_cpu_devices", "train",
+    "build_setup", "count_params", "from_pretrained", "generate", "get_preset", "init_state",
+    "make_eval_step", "make_mesh", "make_train_step", "MoEMLP", "param_table", "peak_flops",
+    "plan",
+    "reshard",
+    "reshard_cost", "save_pretrained", "sequence_attention", "simulate_cpu_devices", "train",
 ]

@@ -140,18 +140,20 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def save(self, step: int, state: TrainState, config: Config, *, wait: bool = False) -> None:
+    def save(self, step: int, state: TrainState, config: Config, *, wait: bool = False,
+             copy: bool = True) -> None:
         """Save ``state`` as ``step`` (no-op if it exists) and return at once, unless
         ``wait``: the arrays are copied asynchronously (``host_copy``) where the next,
         donating, step cannot touch them; a waiting thread hands the copy to orbax, which
-        writes the files in the background. One save is in flight at a time."""
+        writes the files in the background. One save is in flight at a time.
+        ``copy=False`` skips the copy: the caller promises not to donate ``state``."""
         if self.read_only:
             raise CheckpointError(f"{self.directory}: opened read-only; cannot save")
         if step in self.steps():  # also waits for the previous hand-off
             return
         self._manager.wait_until_finished()  # the file-list callback knows its step
         self._saving = step
-        args = ocp.args.Composite(state=ocp.args.PyTreeSave(host_copy(state)),
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(host_copy(state) if copy else state),
                                   config=ocp.args.JsonSave(to_dict(config)))
         if jax.process_count() > 1:  # orbax's cross-process barriers stay on this thread
             self._manager.save(step, args=args, force=True)

@@ -21,8 +21,10 @@ DEFAULT_CPU_DEVICES = 8
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every subcommand that builds a model on a mesh."""
     parser.add_argument("--mesh", default="", help="axis degrees, e.g. data=2,fsdp=2,tensor=2 "
-                        "(unnamed axes are 1; one may be -1). Default: data=-1")
-    parser.add_argument("--model", default="small", help="preset: tiny, small, medium, gpt2-small")
+                        "(unnamed axes are 1; one may be -1), or auto (the planner "
+                        "picks). Default: data=-1")
+    parser.add_argument("--model", default="small", help="preset: tiny, small, medium, gpt2-small, "
+                        "moe-tiny")
     parser.add_argument("--batch-size", type=int, help="global batch size, in sequences")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence")
     parser.add_argument("--seed", type=int, help="seed for init and data order")
@@ -44,6 +46,34 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         "matmul outputs (dots)")
 
 
+def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
+    """Multi-process flags: all three, or none (then a cluster JAX detects, or one process)."""
+    group = parser.add_argument_group("multi-process (jax.distributed)")
+    group.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address and a "
+                       "free port; with --num-processes and --process-id")
+    group.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    group.add_argument("--process-id", type=int, metavar="I",
+                       help="this process: 0..N-1 (0 prints)")
+    group.add_argument("--init-timeout", type=float, default=300.0, metavar="SECONDS",
+                       help="give up if not every process joins within this time (default 300)")
+    group.add_argument("--process-log-dir", metavar="DIR", help="each process also logs to "
+                       "DIR/process-<i>.log")
+
+
+def add_launch_parser(sub: argparse._SubParsersAction) -> None:
+    launch = sub.add_parser("launch", help="run `train` as several local processes on CPU, "
+                            "e.g. launch --processes 2 --devices-per-process 4 -- train ...")
+    launch.add_argument("--processes", type=int, default=2, metavar="P",
+                        help="processes (default 2)")
+    launch.add_argument("--devices-per-process", type=int, default=4, metavar="D",
+                        help="simulated CPU devices per process (default 4)")
+    launch.add_argument("--port", type=int, help="coordinator port (default: a free one)")
+    launch.add_argument("--grace", type=float, default=10.0, metavar="SECONDS", help="after a "
+                        "failure, wait this long for the others to stop before SIGKILL")
+    launch.add_argument("train_args", nargs=argparse.REMAINDER, metavar="-- train ...",
+                        help="the train command and its flags")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardlib", description="Sharded training in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,9 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, help="optimizer steps")
     train.add_argument("--lr", type=float, help="peak learning rate")
     train.add_argument("--data", help="stdlib (default), synthetic, or a path to a text file")
+    train.add_argument("--init-from", metavar="PATH", help="fine-tune a Hugging Face GPT-2 or "
+                       "Llama save_pretrained directory: its config.json replaces --model")
     train.add_argument("--eval-every", type=int, help="evaluate every N steps (0: never)")
     train.add_argument("--log-every", type=int, help="sync and log every N steps")
     train.add_argument("--metrics-file", help="write JSON Lines metrics, one object per step")
+    train.add_argument("--tensorboard-dir", help="write TensorBoard scalars here (loss, lr, "
+                       "grad norm, tokens/s, MFU, loss scale, memory)")
+    train.add_argument("--profile-steps", metavar="A:B", help="capture a jax.profiler trace "
+                       "of steps A to B (into --tensorboard-dir, else train.profile_dir or "
+                       "./profile; TensorBoard and Perfetto read it)")
     train.add_argument("--checkpoint-dir", help="save sharded checkpoints here (its parent "
                        "must exist); also on SIGTERM/SIGINT, which then stop the run")
     train.add_argument("--checkpoint-every", type=int, help="save every N steps (default 100; "
@@ -62,15 +99,23 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--keep", type=int, help="keep the newest K checkpoints (default 3)")
     train.add_argument("--resume", action="store_true", default=None, help="continue from the "
                        "newest good checkpoint in --checkpoint-dir (fresh start if none)")
+    add_distributed_flags(train)
+    add_launch_parser(sub)
     inspect = sub.add_parser("inspect", help="compile one train step (no run) and report its "
                              "collectives, memory and FLOPs against theory")
     add_model_flags(inspect)
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
+    from shardlib.planner.cli import add_plan_parser
+    add_plan_parser(sub, add_model_flags)
     export = sub.add_parser("export", help="write a checkpoint's parameters to one "
                             "safetensors file")
     export.add_argument("--checkpoint-dir", required=True, help="a `train --checkpoint-dir`")
-    export.add_argument("--out", required=True, help="the .safetensors file to write")
+    export.add_argument("--out", required=True, help="the .safetensors file to write (with "
+                        "--format hf: the directory)")
     export.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
+    export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                        help="safetensors: shardlib's names (default); hf: a Hugging Face "
+                        "GPT-2/Llama save_pretrained directory that transformers loads")
     return parser
 
 
@@ -79,8 +124,9 @@ FLAG_FIELDS = {  # CLI flag (argparse dest) -> (config section, field)
     "seq_len": ("train", "seq_len"), "seed": ("train", "seed"), "data": ("train", "data"),
     "eval_every": ("train", "eval_every"), "log_every": ("train", "log_every"),
     "metrics_file": ("train", "metrics_file"), "grad_accum": ("train", "grad_accum"),
+    "tensorboard_dir": ("train", "tensorboard_dir"), "profile_steps": ("train", "profile_steps"),
     "lr": ("optim", "lr"), "precision": ("precision", "policy"), "zero": ("mesh", "zero"),
-    "remat": ("model", "remat"),
+    "remat": ("model", "remat"), "init_from": ("train", "init_from"),
     "checkpoint_dir": ("checkpoint", "dir"), "checkpoint_every": ("checkpoint", "every"),
     "keep": ("checkpoint", "keep"), "resume": ("checkpoint", "resume"),
 }
@@ -91,7 +137,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
     from shardlib.models import get_preset
     from shardlib.sharding import parse_rule
 
-    config = Config(model=get_preset(args.model), rules=tuple(parse_rule(r) for r in args.rules))
+    if getattr(args, "init_from", None):
+        from shardlib.models.hf import load_config
+        model = load_config(args.init_from)
+    else:
+        model = get_preset(args.model)
+    config = Config(model=model, rules=tuple(parse_rule(r) for r in args.rules))
     if args.mesh:
         config = dataclasses.replace(config, mesh=parse_mesh(args.mesh))
     for flag, (section, field) in FLAG_FIELDS.items():
@@ -112,12 +163,29 @@ def check_train_config(tc: TrainConfig) -> None:
         raise ShardlibError(f"--eval-every {tc.eval_every}: must be >= 0 (0 disables eval)")
 
 
-def setup_devices(count: int | None):
-    """Simulate CPU devices if there is no accelerator; return the devices to use."""
+def setup_devices(count: int | None, processes: int = 1):
+    """Simulate CPU devices if there is no accelerator; return the devices to use.
+
+    With several processes ``count`` is global: each simulates its share (or
+    ``JAX_NUM_CPU_DEVICES``, as the launcher sets) and all devices are used by default."""
+    from shardlib.distributed import cpu_devices_per_process
     from shardlib.mesh import has_accelerator, select_devices, simulate_cpu_devices
 
+    if processes > 1:
+        simulate_cpu_devices(cpu_devices_per_process(count, processes, DEFAULT_CPU_DEVICES))
+        return select_devices(count)
     simulate_cpu_devices(count or DEFAULT_CPU_DEVICES)
     return select_devices(count if has_accelerator() else count or DEFAULT_CPU_DEVICES)
+
+
+def start_processes(args: argparse.Namespace) -> int:
+    """Join a multi-process run if the flags (or a detected cluster) say so, before JAX
+    starts; return the number of processes."""
+    from shardlib import distributed
+
+    plan = distributed.plan_from_flags(args.coordinator, args.num_processes, args.process_id)
+    distributed.initialize(plan, timeout_s=args.init_timeout, label="shardlib train")
+    return plan.num_processes
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -129,14 +197,20 @@ def run_train(args: argparse.Namespace) -> int:
         raise ShardlibError(f"--seq-len {config.train.seq_len}: exceeds model.max_seq_len="
                             f"{config.model.max_seq_len}; shorten it or raise model.max_seq_len")
     check_checkpoint_flags(args, config)
-    devices = setup_devices(args.devices)
+    processes = start_processes(args)
+    devices = setup_devices(args.devices, processes)
     reporters = [ConsoleReporter(config.train.steps)]
     if config.train.metrics_file:
         reporters.append(MetricsFile(config.train.metrics_file))
+    if args.process_log_dir:
+        from shardlib.distributed import ProcessLog
+        reporters.append(ProcessLog(args.process_log_dir))
     result = train(config, devices=devices, reporter=Reporters(*reporters))
     if result.stopped_by:
-        print(f"stopped by {result.stopped_by}; checkpoint step {result.checkpoint_step} saved in "
-              f"{config.checkpoint.dir}; continue with --resume", file=sys.stderr, flush=True)
+        from shardlib.distributed import main_print
+        main_print(f"stopped by {result.stopped_by}; checkpoint step {result.checkpoint_step} "
+                   f"saved in {config.checkpoint.dir}; continue with --resume", file=sys.stderr,
+                   flush=True)
         return 130 if result.stopped_by == "SIGINT" else 0
     return 0
 
@@ -152,9 +226,24 @@ def check_checkpoint_flags(args: argparse.Namespace, config: Config) -> None:
         raise ShardlibError(f"{names}: needs --checkpoint-dir DIR")
 
 
+def run_launch(args: argparse.Namespace) -> int:
+    from shardlib.launch import launch
+
+    return launch(args.train_args, args.processes, args.devices_per_process, port=args.port,
+                  grace_s=args.grace)
+
+
 def run_export(args: argparse.Namespace) -> int:
     from shardlib.export import export_safetensors
 
+    if args.format == "hf":
+        from shardlib.models.hf import export_pretrained
+
+        step, saved = export_pretrained(args.checkpoint_dir, args.out, step=args.step)
+        print(f"exported step {step} as Hugging Face: {saved.tensors} tensors, "
+              f"{saved.params:,} parameters, {saved.bytes / 2**20:.1f} MiB -> {saved.path}",
+              flush=True)
+        return 0
     done = export_safetensors(args.checkpoint_dir, args.out, step=args.step)
     print(f"exported step {done.step}: {done.tensors} tensors, {done.params:,} parameters, "
           f"{done.bytes / 2**20:.1f} MiB -> {done.path}", flush=True)
@@ -175,7 +264,14 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": run_train, "inspect": run_inspect, "export": run_export}
+def run_plan(args: argparse.Namespace) -> int:
+    from shardlib.planner.cli import run_plan as plan
+
+    return plan(args, config_from_args)
+
+
+COMMANDS = {"train": run_train, "inspect": run_inspect, "export": run_export,
+            "launch": run_launch, "plan": run_plan}
 
 
 def _format_warning(message, category, filename, lineno, line=None) -> str:

@@ -22,10 +22,12 @@ class MeshConfig:
 
     data: int = -1  # replicated params, batch split: the cheapest strategy when the model fits
     fsdp: int = 1  # params, grads and optimizer state split over this axis (ZeRO-3)
+    expert: int = 1  # MoE experts split over this axis (tokens all-to-all'd); batch split too
     sequence: int = 1  # activations split along the sequence (context parallelism)
     tensor: int = 1  # Megatron column/row split of attention and MLP weights
     sequence_parallel: bool = False  # Megatron SP: norms/residual split along seq over tensor
     zero: int = 0  # ZeRO stage over `data`: 1 optimizer state, 2 + grads, 3 + params (= fsdp)
+    auto: bool = False  # `--mesh auto`: shardlib.planner picks the degrees, remat, microbatches
 
     def degrees(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in MESH_AXES}
@@ -48,10 +50,29 @@ class ModelConfig:
     init_std: float = 0.02  # GPT-2 init; residual projections get 0.02/sqrt(2L)
     rope_theta: float = 10000.0
     remat: str = "none"  # none | full | dots (keep only matmul outputs) per layer
+    # Mixture of experts (shardlib.models.moe): 0 experts = dense MLP in every layer.
+    num_experts: int = 0  # experts per MoE layer, each a d_ff GELU MLP
+    moe_top_k: int = 2  # experts per token: 1 (Switch) or 2 (GShard, gates renormalised)
+    moe_every: int = 1  # every k-th layer (k-1, 2k-1, ...) is MoE; must divide num_layers
+    moe_capacity_factor: float = 1.25  # slots per expert per sequence: cf * k * T / experts
+    moe_aux_weight: float = 0.01  # load-balancing loss weight (Switch Transformer)
+    moe_z_weight: float = 0.001  # router z-loss weight (ST-MoE)
+    # Architecture options (shardlib.models.hf maps GPT-2 and Llama onto them); the
+    # defaults are shardlib's own model: RMSNorm, plain GELU MLP, no biases, MHA.
+    norm: str = "rms"  # "rms" (RMSNorm, Llama) or "layer" (LayerNorm, GPT-2)
+    norm_eps: float = 1e-6  # GPT-2 1e-5, Llama 1e-5 or 1e-6
+    mlp: str = "plain"  # "plain": act(x W_in) W_out (GPT-2) | "gated": SwiGLU-style (Llama)
+    activation: str = "gelu_tanh"  # MLP activation: gelu_tanh (GPT-2), gelu, silu, relu
+    bias: bool = False  # biases in every projection and LayerNorm (GPT-2)
+    num_kv_heads: int = 0  # grouped-query attention: K/V heads (0 = num_heads, i.e. MHA)
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
 
 
 @dataclass(frozen=True)
@@ -92,13 +113,26 @@ class TrainConfig:
     seed: int = 0
     grad_accum: int = 1  # microbatches per optimizer step (lax.scan inside the step)
     data: str = "stdlib"  # "stdlib", "synthetic" or a path to a text file
+    init_from: str = ""  # Hugging Face save_pretrained dir to start from (models.hf); "" = init
     eval_every: int = 50  # 0 disables eval
     eval_batches: int = 2
     log_every: int = 10  # host sync and log every N steps
     metrics_file: str = ""  # JSON Lines, one object per step; "" disables
+    tensorboard_dir: str = ""  # TensorBoard scalars (loss, lr, MFU, memory, ...); "" disables
+    profile_steps: str = ""  # "A:B": jax.profiler trace of steps A..B (1-based, inclusive)
+    profile_dir: str = ""  # where traces go; "" = tensorboard_dir, else ./profile
     sample_tokens: int = 120  # generated at the end of `shardlib train`; 0 disables
     sample_temperature: float = 0.8
     sample_top_k: int = 20
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """How attention splits over the ``sequence`` axis (``shardlib.parallel.context``)."""
+
+    # none: XLA's partitioner gathers K/V | ring: K/V blocks passed around a ring (zig-zag
+    # causal balancing) | ulysses: all-to-all to head-split | allgather: gather K/V by hand
+    context_parallel: str = "none"
 
 
 @dataclass(frozen=True)
@@ -119,6 +153,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
     rules: tuple[tuple[str, tuple[str, ...]], ...] = ()  # user overrides: (logical dim, axes)
 
 
@@ -175,7 +210,10 @@ def apply_overrides(config: Config, overrides: list[str]) -> Config:
 
 
 def parse_mesh(text: str, base: MeshConfig | None = None) -> MeshConfig:
-    """``data=2,fsdp=2,tensor=2`` -> MeshConfig (unnamed axes default to 1)."""
+    """``data=2,fsdp=2,tensor=2`` -> MeshConfig (unnamed axes default to 1); ``auto`` ->
+    ``MeshConfig(auto=True)``: the planner chooses (see ``shardlib.planner``)."""
+    if text.strip().lower() == "auto":
+        return dataclasses.replace(base or MeshConfig(), auto=True)
     degrees: dict[str, int] = {axis: 1 for axis in MESH_AXES}
     for item in filter(None, (part.strip() for part in text.split(","))):
         axis, sep, size = item.partition("=")

@@ -5,6 +5,7 @@ arrays built from each process's rows.
 
 from __future__ import annotations
 
+import functools
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,12 +45,17 @@ def synthetic_corpus(num_bytes: int = 2**21, seed: int = 1234) -> np.ndarray:
     quickly and measurably (towards half the entropy of random letters).
     """
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(3, 12, size=num_bytes // 8)
-    words = []
-    for n in lengths:
-        word = rng.integers(ord("a"), ord("z") + 1, size=n).astype(np.uint8).tobytes()
-        words.append(word + b"=" + word + b"\n")
-    return np.frombuffer(b"".join(words)[:num_bytes], dtype=np.uint8)
+    lengths = rng.integers(3, 12, size=num_bytes // 8)  # words, each 'word=word\n'
+    letters = rng.integers(ord("a"), ord("z") + 1, size=int(lengths.sum()), dtype=np.uint8)
+    record = 2 * lengths + 2
+    word = np.repeat(np.arange(lengths.size), record)  # which word each output byte is in
+    pos = np.arange(word.size) - np.repeat(np.cumsum(record) - record, record)
+    n, first = lengths[word], (np.cumsum(lengths) - lengths)[word]
+    copy = np.where(pos > n, pos - n - 1, pos)  # position within the word, in either copy
+    out = letters[first + np.minimum(copy, n - 1)]
+    out[pos == n] = ord("=")
+    out[pos == 2 * n + 1] = ord("\n")
+    return out[:num_bytes]
 
 
 def file_corpus(path: str) -> np.ndarray:
@@ -60,12 +66,13 @@ def file_corpus(path: str) -> np.ndarray:
     return np.frombuffer(file.read_bytes(), dtype=np.uint8)
 
 
+@functools.lru_cache(maxsize=4)
 def load_corpus(name: str) -> np.ndarray:
-    if name == "stdlib":
-        return stdlib_corpus()
-    if name == "synthetic":
-        return synthetic_corpus()
-    return file_corpus(name)
+    """The corpus's bytes (read-only, cached: every run and eval in a process shares it)."""
+    corpus = {"stdlib": stdlib_corpus, "synthetic": synthetic_corpus}.get(
+        name, lambda: file_corpus(name))()
+    corpus.setflags(write=False)
+    return corpus
 
 
 @dataclass(frozen=True)

@@ -23,3 +23,7 @@ class CheckpointError(ShardlibError):
 
 class DamagedCheckpointError(CheckpointError):
     """A finished checkpoint has a missing, truncated or unreadable file."""
+
+
+class DistributedError(ShardlibError):
+    """A multi-process run cannot start: a bad coordinator, or processes that never join."""

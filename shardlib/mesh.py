@@ -17,7 +17,7 @@ from jax.sharding import AxisType, Mesh
 
 from shardlib.errors import MeshError
 
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "sequence", "tensor")
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "sequence", "tensor")
 """Every mesh axis shardlib knows, outermost (slowest links) first."""
 
 
@@ -113,7 +113,7 @@ def env_device_count() -> int | None:
 
 
 def describe(mesh: Mesh) -> str:
-    """One line: ``mesh data=2 fsdp=2 sequence=1 tensor=2 (8 cpu devices)``."""
+    """One line: ``mesh data=2 fsdp=2 expert=1 sequence=1 tensor=2 (8 cpu devices)``."""
     sizes = " ".join(f"{name}={size}" for name, size in mesh.shape.items())
     platform = mesh.devices.flat[0].platform
     return f"mesh {sizes} ({mesh.devices.size} {platform} devices)"

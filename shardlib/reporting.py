@@ -32,6 +32,17 @@ class NullReporter:
     def on_end(self, summary: dict[str, Any], sample: str) -> None: ...
 
 
+def summary_value(key: str, value: Any) -> str:
+    """Bytes as KiB/MiB, MFU as a percentage, FLOP/s in TFLOP/s, floats with 4 decimals."""
+    if key.endswith("_bytes") and isinstance(value, int):
+        return format_bytes(value)
+    if key == "mfu" and isinstance(value, float):
+        return f"{value:.1%}"
+    if key == "peak_flops" and isinstance(value, float):
+        return f"{value / 1e12:,.3f} TFLOP/s"
+    return f"{value:,.4f}" if isinstance(value, float) else str(value)
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -94,6 +105,8 @@ class ConsoleReporter:
             return
         last = rows[-1]
         status = f"loss {last['loss']:.4f}  {last['tokens_per_sec']:,.0f} tok/s"
+        if last.get("mfu") is not None:
+            status += f"  MFU {last['mfu']:.1%}"
         if "eval_loss" in last:
             status += f"  eval {last['eval_loss']:.4f}"
         if last.get("loss_scale", 1.0) != 1.0:
@@ -111,7 +124,7 @@ class ConsoleReporter:
             self.progress.stop()
         table = Table(title="Summary", title_justify="left", show_header=False)
         for key, value in summary.items():
-            table.add_row(key, f"{value:,.4f}" if isinstance(value, float) else str(value))
+            table.add_row(key, summary_value(key, value))
         self.console.print(table)
         if sample:
             self.console.print("sample:", style="bold")

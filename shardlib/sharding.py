@@ -23,7 +23,8 @@ from shardlib.mesh import MESH_AXES
 
 Rules = dict[str, tuple[str, ...]]
 
-PARAM_DIMS = ("vocab", "embed", "heads", "head_dim", "mlp", "layers", "position")
+PARAM_DIMS = ("vocab", "embed", "heads", "head_dim", "mlp", "layers", "position", "expert",
+              "router")  # router: the router's logit-per-expert dim, kept whole
 ACT_DIMS = (
     "act_batch", "act_seq", "act_res_seq", "act_embed", "act_heads", "act_head_dim",
     "act_mlp", "act_vocab", "act_kv_seq",
@@ -47,13 +48,17 @@ PRESETS: dict[str, Rules] = {
     "sp": {"act_res_seq": ("tensor",)},
     # Context parallelism: activations split along the sequence; K/V gathered.
     "cp": {"act_seq": ("sequence",), "act_res_seq": ("sequence",)},
+    # Expert parallelism: MoE experts split over expert; the expert axis also splits the
+    # batch (each device routes its own tokens, all-to-all moves them to their experts).
+    "ep": {"expert": ("expert",), "act_batch": ("expert",)},
 }
 
 
 def strategies(mesh_cfg: MeshConfig, sizes: Mapping[str, int]) -> list[str]:
     """Preset names active for this mesh: those whose axis has size > 1."""
-    active = [name for name, axis in (("dp", "data"), ("fsdp", "fsdp"), ("cp", "sequence"),
-                                      ("tp", "tensor")) if sizes.get(axis, 1) > 1]
+    active = [name for name, axis in (("dp", "data"), ("fsdp", "fsdp"), ("ep", "expert"),
+                                      ("cp", "sequence"), ("tp", "tensor"))
+              if sizes.get(axis, 1) > 1]
     if mesh_cfg.sequence_parallel:
         if sizes.get("tensor", 1) <= 1:
             raise ShardingError(
@@ -181,3 +186,8 @@ def current_mesh() -> Mesh | None:
     """The mesh of the enclosing ``activation_rules`` block, if any."""
     active = _ACTIVE.get()
     return active[0] if active else None
+
+
+def active_rules() -> tuple[Mesh, Rules] | None:
+    """(mesh, rules) of the enclosing ``activation_rules`` block, if any."""
+    return _ACTIVE.get()

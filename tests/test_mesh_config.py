@@ -11,14 +11,14 @@ from shardlib.mesh import MESH_AXES, describe, make_mesh, resolve_degrees
 
 def test_auto_fill_takes_the_remaining_devices():
     assert resolve_degrees({"data": 2, "fsdp": -1, "tensor": 2}, 8) == {
-        "data": 2, "fsdp": 2, "sequence": 1, "tensor": 2}
+        "data": 2, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 2}
 
 
 def test_product_mismatch_names_every_factor():
     with pytest.raises(MeshError) as err:
         resolve_degrees({"data": 3, "tensor": 2}, 8)
     message = str(err.value)
-    for factor in ("data=3", "fsdp=1", "sequence=1", "tensor=2", "6 devices", "8"):
+    for factor in ("data=3", "fsdp=1", "expert=1", "sequence=1", "tensor=2", "6 devices", "8"):
         assert factor in message
 
 
@@ -36,8 +36,8 @@ def test_bad_degrees(degrees, needle):
 def test_make_mesh_has_every_axis_in_order():
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     assert mesh.axis_names == MESH_AXES
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "sequence": 1, "tensor": 2}
-    assert describe(mesh).startswith("mesh data=2 fsdp=2 sequence=1 tensor=2 (8 cpu")
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 2}
+    assert describe(mesh).startswith("mesh data=2 fsdp=2 expert=1 sequence=1 tensor=2 (8 cpu")
 
 
 def test_parse_mesh_and_errors():

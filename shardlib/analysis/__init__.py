@@ -17,6 +17,7 @@ from shardlib.analysis.hlo import (
     summarize_by_axis,
 )
 from shardlib.analysis.memory import MemoryReport, state_bytes
+from shardlib.analysis.mfu import PEAK_BF16_FLOPS, Peak, peak_flops, published_peak_flops
 from shardlib.analysis.report import Inspection, analyze, inspect, render, to_json
 from shardlib.analysis.theory import Term, comm_terms, state_bytes_per_device
 
@@ -25,6 +26,8 @@ __all__ = [
     "ArrayShape",
     "Collective",
     "FlopsReport",
+    "PEAK_BF16_FLOPS",
+    "Peak",
     "HloParseError",
     "Inspection",
     "MemoryReport",
@@ -39,6 +42,8 @@ __all__ = [
     "inspect",
     "model_flops_per_token",
     "parse_collectives",
+    "peak_flops",
+    "published_peak_flops",
     "render",
     "state_bytes",
     "state_bytes_per_device",

@@ -50,9 +50,10 @@ def xla_flops(compiled: jax.stages.Compiled) -> float | None:
 
 def model_flops_per_token(config: Config) -> int:
     """``6 Psi`` (forward 2, backward 4 per parameter) ``+ 12 L T d`` (attention scores
-    and the weighted sum, forward and backward, counted without the causal half)."""
+    and the weighted sum, forward and backward, counted without the causal half). For a
+    mixture of experts ``Psi`` counts the k experts a token uses, not all E."""
     m = config.model
-    psi = param_counts(m).total
+    psi = param_counts(m).active
     return 6 * psi + 12 * m.num_layers * config.train.seq_len * m.d_model
 
 

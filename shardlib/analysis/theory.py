@@ -2,11 +2,12 @@
 memory, computed from the config alone (DESIGN.md section 5), broken down per mesh axis
 so they can be held against the collectives measured in the compiled HLO.
 
-Notation: ``D, F, S, t`` the ``data, fsdp, sequence, tensor`` degrees; ``B, T`` the global
-batch and sequence length; ``b = B / (D F)`` sequences and ``s = T / S`` tokens per device;
-``d, L, V`` model width, layers, vocab; ``a = b s d x 4`` one residual-stream activation per
-device (fp32); ``P_t`` the parameter bytes a device holds with only the tensor split applied
-and ``P = P_t / F`` what it holds. Ring algorithms: all-gather sends ``B_out (n-1)/n``,
+Notation: ``D, F, X, S, t`` the ``data, fsdp, expert, sequence, tensor`` degrees; ``B, T``
+the global batch and sequence length; ``b = B / (D F X)`` sequences and ``s = T / S``
+tokens per device; ``d, L, V`` model width, layers, vocab (``E, C, L_moe`` for MoE);
+``a = b s d x 4`` one residual-stream activation per device (fp32); ``P_t`` the parameter
+bytes a device holds with only the tensor (and expert) split applied and ``P = P_t / F``
+what it holds. Ring algorithms: all-gather sends ``B_out (n-1)/n``,
 reduce-scatter ``B_in (n-1)/n``, all-reduce ``2B (n-1)/n`` (``B`` per device, ``n`` devices).
 
 The terms assume the preset rules of ``shardlib.sharding`` (every weight has an ``embed``
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from shardlib.config import Config, ModelConfig
+from shardlib.models.moe import capacity
+from shardlib.parallel.context import attention_comm_blocks
 
 ACT_BYTES = 4  # activations and their gradients are fp32 in the model
 PARAM_BYTES = 4  # parameters are fp32
@@ -46,11 +49,19 @@ class ParamCounts:
     """Parameter elements by how the presets split them over ``tensor``."""
 
     tensor_split: int  # embedding, LM head, attention and MLP matrices
-    tensor_replicated: int  # RMSNorm scales, learned position table
+    tensor_replicated: int  # RMSNorm scales, learned position table, MoE routers
+    expert_split: int = 0  # MoE expert matrices: split over expert (and tensor)
+    expert_fraction: Fraction = Fraction(1)  # top_k / num_experts: experts a token uses
 
     @property
     def total(self) -> int:
-        return self.tensor_split + self.tensor_replicated
+        return self.tensor_split + self.tensor_replicated + self.expert_split
+
+    @property
+    def active(self) -> int:
+        """Parameters one token passes through (a token uses k of the E experts)."""
+        return self.tensor_split + self.tensor_replicated + round(
+            self.expert_split * self.expert_fraction)
 
 
 @dataclass(frozen=True)
@@ -69,7 +80,7 @@ class Geometry:
 
     @property
     def local_batch(self) -> Fraction:
-        return Fraction(self.batch, self.n("data") * self.n("fsdp"))
+        return Fraction(self.batch, self.n("data") * self.n("fsdp") * self.n("expert"))
 
     @property
     def local_seq(self) -> Fraction:
@@ -85,7 +96,14 @@ class Geometry:
         """``P_t``: parameter bytes per device with only the tensor split applied."""
         counts = param_counts(self.model)
         elems = Fraction(counts.tensor_split, self.n("tensor")) + counts.tensor_replicated
+        elems += Fraction(counts.expert_split, self.n("tensor") * self.n("expert"))
         return elems * self.param_bytes
+
+    @property
+    def expert_params_per_device(self) -> Fraction:
+        """MoE expert-weight bytes per device (expert, tensor and fsdp splits applied)."""
+        parts = self.n("expert") * self.n("tensor") * self.n("fsdp")
+        return Fraction(param_counts(self.model).expert_split * self.param_bytes, parts)
 
     @property
     def params_per_device(self) -> Fraction:
@@ -95,13 +113,16 @@ class Geometry:
 
 def param_counts(model: ModelConfig) -> ParamCounts:
     """Parameter elements of ``shardlib.models.GPT`` by tensor split, from its shapes."""
-    d, layers = model.d_model, model.num_layers
+    d, layers, experts = model.d_model, model.num_layers, model.num_experts
+    moe = layers // model.moe_every if experts else 0  # MoE layers
     split = model.vocab_size * d  # token embedding (vocab, embed)
     split += 0 if model.tie_embeddings else d * model.vocab_size  # LM head (embed, vocab)
-    split += layers * (4 * d * d + 2 * d * model.d_ff)  # q, k, v, o and MLP in/out
+    split += layers * 4 * d * d + (layers - moe) * 2 * d * model.d_ff  # qkvo, dense MLPs
     replicated = (2 * layers + 1) * d  # two norms per block and the final norm
     replicated += model.max_seq_len * d if model.pos_embedding == "learned" else 0
-    return ParamCounts(split, replicated)
+    replicated += moe * d * experts  # routers (embed, router)
+    return ParamCounts(split, replicated, moe * experts * 2 * d * model.d_ff,
+                       Fraction(model.moe_top_k, experts) if experts else Fraction(1))
 
 
 def geometry(config: Config, sizes: Mapping[str, int], param_bytes: int = PARAM_BYTES) -> Geometry:
@@ -141,14 +162,23 @@ def fsdp_terms(g: Geometry) -> list[Term]:
 
 def replica_terms(g: Geometry) -> list[Term]:
     """Gradient all-reduce over the axes that hold whole copies of the (sharded) weights
-    but different tokens (``data`` and ``sequence``): ``2 (n-1)/n P`` with ``n = D S``."""
-    axes = [a for a in ("data", "sequence") if g.n(a) > 1]
-    n = math.prod(g.n(a) for a in axes)
-    if n == 1:
-        return []
-    label = " ".join(axes)
-    return [_term("grads all-reduce", axes, "all-reduce", n, g.params_per_device, 1,
-                  f"2 (n-1)/n P, n = {label}")]
+    but different tokens (``data`` and ``sequence``): ``2 (n-1)/n P`` with ``n = D S``.
+    With experts split over ``expert`` (``X`` > 1), the expert axis also holds other tokens:
+    the other weights are all-reduced over ``n = D X S``, the experts' ``P_e`` over ``D S``."""
+    groups = [("grads all-reduce", ("data", "sequence"), g.params_per_device, "P")]
+    if g.n("expert") > 1:
+        groups = [("grads all-reduce", ("data", "expert", "sequence"),
+                   g.params_per_device - g.expert_params_per_device, "(P - P_e)"),
+                  ("expert grads all-reduce", ("data", "sequence"),
+                   g.expert_params_per_device, "P_e")]
+    terms = []
+    for name, names, nbytes, symbol in groups:
+        axes = [a for a in names if g.n(a) > 1]
+        n = math.prod(g.n(a) for a in axes)
+        if n > 1 and nbytes:
+            terms.append(_term(name, axes, "all-reduce", n, nbytes, 1,
+                               f"2 (n-1)/n {symbol}, n = {' '.join(axes)}"))
+    return terms
 
 
 def tensor_terms(g: Geometry) -> list[Term]:
@@ -166,9 +196,14 @@ def tensor_terms(g: Geometry) -> list[Term]:
     a, layers, ax = g.act, g.model.num_layers, ["tensor"]
     stats = 3 * g.local_batch * g.local_seq * ACT_BYTES
     terms = [_term("cross-entropy stats", ax, "all-reduce", t, stats, 1, "3 x 2 (t-1)/t b s 4")]
+    moe = moe_layers(g.model)  # MoE MLPs: f/g act on the capacity buffer, not on a
+    if moe and not g.sequence_parallel:
+        terms += [_term("experts f/g", ax, "all-reduce", t, moe_buffer(g), 2 * moe,
+                        "2 L_moe x 2 (t-1)/t b E C d 4")]
     if not g.sequence_parallel:
         return terms + [
-            _term("blocks f/g", ax, "all-reduce", t, a, 4 * layers, "4 L x 2 (t-1)/t a"),
+            _term("blocks f/g", ax, "all-reduce", t, a, 4 * layers - 2 * moe,
+                  "(4 L - 2 L_moe) x 2 (t-1)/t a" if moe else "4 L x 2 (t-1)/t a"),
             _term("embedding lookup", ax, "all-reduce", t, a, 1, "2 (t-1)/t a"),
             _term("LM head input grad", ax, "all-reduce", t, a, 1, "2 (t-1)/t a"),
         ]
@@ -201,11 +236,59 @@ def sequence_terms(g: Geometry) -> list[Term]:
     ]
 
 
+def context_terms(g: Geometry, method: str) -> list[Term]:
+    """Hand-written context parallelism (``attention.context_parallel``), per layer forward
+    + backward, in units of ``a_q = b s d/t 4`` (one device's q block; see
+    ``parallel.context.attention_comm_blocks``): ring ``2 x 2 (S-1) a_q`` K/V permutes plus
+    ``2 x 4 a_q`` zig-zag reorder (``2 x 2 a_q`` for S=2); ulysses ``2 x 4 (S-1)/S a_q``
+    all-to-all; allgather the same all-gather + reduce-scatter as XLA's own."""
+    s, layers, ax = g.n("sequence"), g.model.num_layers, ("sequence",)
+    if s == 1 or method in ("none", "allgather"):
+        return sequence_terms(g)
+    a_q = g.act / g.n("tensor")
+    if method == "ulysses":
+        total = layers * attention_comm_blocks("ulysses", s) * a_q
+        return [Term("q/k/v/out all-to-all", ax, "all-to-all", round(total),
+                     "2 L x 4 (S-1)/S b s d/t 4")]
+    ring = layers * 2 * 2 * (s - 1) * a_q
+    reorder = layers * attention_comm_blocks("ring", s) * a_q - ring
+    return [Term("K/V ring permute", ax, "collective-permute", round(ring),
+                 "2 L x 2 (S-1) b s d/t 4"),
+            Term("zig-zag reorder", ax, "collective-permute", round(reorder),
+                 "2 L x 4 b s d/t 4 (2 L x 2 for S=2)")]
+
+
+def moe_layers(model: ModelConfig) -> int:
+    """``L_moe``: layers whose MLP is a mixture of experts."""
+    return model.num_layers // model.moe_every if model.num_experts else 0
+
+
+def moe_buffer(g: Geometry) -> Fraction:
+    """One device's MoE capacity buffer ``b E C d`` fp32 (``C`` slots per expert per
+    sequence): the tokens an MoE layer dispatches to its experts."""
+    m = g.model
+    slots = capacity(g.seq_len, m.num_experts, m.moe_top_k, m.moe_capacity_factor)
+    return g.local_batch * m.num_experts * slots * m.d_model * ACT_BYTES
+
+
+def expert_terms(g: Geometry) -> list[Term]:
+    """Expert parallelism over ``expert`` (``X``): each MoE layer all-to-alls its capacity
+    buffer to the experts' devices and back, in forward and backward:
+    ``4 L_moe (X-1)/X b E C d 4``."""
+    x = g.n("expert")
+    if x == 1 or not moe_layers(g.model):
+        return []
+    return [_term("tokens all-to-all", ["expert"], "all-to-all", x, moe_buffer(g),
+                  4 * moe_layers(g.model), "4 L_moe x (X-1)/X b E C d 4")]
+
+
 def comm_terms(config: Config, sizes: Mapping[str, int],
                param_bytes: int = PARAM_BYTES) -> list[Term]:
     """Every expected collective pattern of one training step of ``config``."""
     g = geometry(config, sizes, param_bytes)
-    return [*fsdp_terms(g), *replica_terms(g), *tensor_terms(g), *sequence_terms(g)]
+    return [*fsdp_terms(g), *replica_terms(g), *tensor_terms(g),
+            *context_terms(g, config.attention.context_parallel),
+            *expert_terms(g)]
 
 
 def comm_bytes_by_axis(terms: Iterable[Term]) -> dict[tuple[str, ...], int]:

@@ -18,6 +18,7 @@ from shardlib.models.layers import (
     MLP,
     Attention,
     Embed,
+    LayerNorm,
     RMSNorm,
     normal,
     param,
@@ -25,24 +26,59 @@ from shardlib.models.layers import (
     scan_layers,
     stack_layers,
 )
+from shardlib.models.moe import MoEMLP, MoEStats, num_moe_layers, run_groups
 from shardlib.sharding import constrain
 
 
-class Block(nnx.Module):
-    """x + attn(norm(x)), then x + mlp(norm(x))."""
+def make_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> RMSNorm | LayerNorm:
+    """``cfg.norm``: RMSNorm (default, Llama) or LayerNorm with ``cfg.bias`` (GPT-2)."""
+    if cfg.norm == "layer":
+        return LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias, rngs=rngs)
+    return RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+
+class Block(nnx.Module):
+    """x + attn(norm(x)), then x + mlp(norm(x)); with ``moe`` the MLP is a mixture of
+    experts (``models.moe``) and ``forward`` also returns its router statistics."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)  # GPT-2 residual scaling
         rope = cfg.rope_theta if cfg.pos_embedding == "rope" else None
-        self.attn_norm = RMSNorm(cfg.d_model, rngs=rngs)
+        self.attn_norm = make_norm(cfg, rngs)
         self.attn = Attention(cfg.d_model, cfg.num_heads, std=cfg.init_std, out_std=out_std,
-                              rope_theta=rope, rngs=rngs)
-        self.mlp_norm = RMSNorm(cfg.d_model, rngs=rngs)
-        self.mlp = MLP(cfg.d_model, cfg.d_ff, std=cfg.init_std, out_std=out_std, rngs=rngs)
+                              rope_theta=rope, rngs=rngs, num_kv_heads=cfg.kv_heads,
+                              bias=cfg.bias)
+        self.mlp_norm = make_norm(cfg, rngs)
+        if moe:
+            self.mlp = MoEMLP(cfg, std=cfg.init_std, out_std=out_std, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg.d_model, cfg.d_ff, std=cfg.init_std, out_std=out_std, rngs=rngs,
+                           gated=cfg.mlp == "gated", activation=cfg.activation, bias=cfg.bias)
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
+        return self.forward(x_btd)[0]
+
+    def forward(self, x_btd: jax.Array) -> tuple[jax.Array, MoEStats]:
+        """x -> (x, router stats); the stats are empty for a dense MLP."""
         x_btd = x_btd + self.attn(self.attn_norm(x_btd))
-        return x_btd + self.mlp(self.mlp_norm(x_btd))
+        if not isinstance(self.mlp, MoEMLP):
+            return x_btd + self.mlp(self.mlp_norm(x_btd)), {}
+        y_btd, stats = self.mlp(self.mlp_norm(x_btd))
+        return x_btd + y_btd, stats
+
+
+class BlockGroup(nnx.Module):
+    """``moe_every - 1`` dense blocks then one MoE block: the unit the layer scan repeats
+    in an MoE model, so every k-th layer is MoE and the scan body stays one shape."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.dense = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.moe_every - 1)])
+        self.moe = Block(cfg, rngs=rngs, moe=True)
+
+    def __call__(self, x_btd: jax.Array) -> tuple[jax.Array, MoEStats]:
+        for block in self.dense:
+            x_btd = block(x_btd)
+        return self.moe.forward(x_btd)
 
 
 class GPT(nnx.Module):
@@ -55,20 +91,31 @@ class GPT(nnx.Module):
             self.pos_td = param(rngs, normal(cfg.init_std), (cfg.max_seq_len, cfg.d_model),
                                 ("position", "embed"))
         make_block = lambda r: Block(cfg, rngs=r)
+        if cfg.num_experts:  # MoE: scan over groups of moe_every layers
+            make_block = lambda r: BlockGroup(cfg, rngs=r)
+        count = num_moe_layers(cfg) or cfg.num_layers
         if cfg.scan_layers:
-            self.blocks = stack_layers(make_block, cfg.num_layers, rngs)
+            self.blocks = stack_layers(make_block, count, rngs)
         else:
-            self.blocks = nnx.List([make_block(rngs) for _ in range(cfg.num_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, rngs=rngs)
+            self.blocks = nnx.List([make_block(rngs) for _ in range(count)])
+        self.final_norm = make_norm(cfg, rngs)
         if not cfg.tie_embeddings:
             self.w_head_dv = param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
                                    ("embed", "vocab"))
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:
+        return self.forward(tokens_bt)[0]
+
+    def forward(self, tokens_bt: jax.Array) -> tuple[jax.Array, MoEStats]:
+        """Logits and the MoE layers' router stats (each with a leading MoE-layer dim;
+        empty for a dense model)."""
+        stats: MoEStats = {}
         x_btd = self.embed(tokens_bt)
         if self.cfg.pos_embedding == "learned":
             x_btd = x_btd + self.pos_td[...][: tokens_bt.shape[1]][None]  # (1, T, D)
-        if self.cfg.scan_layers:
+        if self.cfg.num_experts:
+            x_btd, stats = run_groups(self.blocks, x_btd, self.cfg, remat)
+        elif self.cfg.scan_layers:
             x_btd = scan_layers(self.blocks, x_btd, self.cfg.remat)
         else:
             for block in self.blocks:
@@ -79,7 +126,7 @@ class GPT(nnx.Module):
         else:
             logits_btv = jnp.einsum("btd,dv->btv", x_btd, self.w_head_dv[...])
             logits_btv = constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"))
-        return logits_btv
+        return logits_btv, stats
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -9,11 +9,13 @@ head_dim), ``x_btd`` is (batch, time, d_model).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardlib.parallel import context
 from shardlib.sharding import constrain
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
@@ -61,6 +63,26 @@ class RMSNorm(nnx.Module):
         return (x32 * rms * self.scale_d[...]).astype(x_btd.dtype)
 
 
+class LayerNorm(nnx.Module):
+    """LayerNorm (GPT-2): zero mean, unit variance over embed, learned scale and optional
+    bias, computed in fp32."""
+
+    def __init__(self, d_model: int, *, eps: float = 1e-5, bias: bool = True, rngs: nnx.Rngs):
+        self.scale_d = param(rngs, jax.nn.initializers.ones, (d_model,), ("embed",))
+        if bias:
+            self.bias_d = param(rngs, jax.nn.initializers.zeros, (d_model,), ("embed",))
+        self.eps, self.use_bias = eps, bias
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        x32 = x_btd.astype(jnp.float32)
+        centered = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
+        y_btd = centered * jax.lax.rsqrt(var + self.eps) * self.scale_d[...]
+        if self.use_bias:
+            y_btd = y_btd + self.bias_d[...]
+        return y_btd.astype(x_btd.dtype)
+
+
 def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """cos/sin tables, each (seq, head_dim // 2)."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
@@ -80,32 +102,89 @@ class Attention(nnx.Module):
     """Causal multi-head attention; heads split over ``tensor`` (Megatron)."""
 
     def __init__(self, d_model: int, num_heads: int, *, std: float, out_std: float,
-                 rope_theta: float | None, rngs: nnx.Rngs):
+                 rope_theta: float | None, rngs: nnx.Rngs, num_kv_heads: int = 0,
+                 bias: bool = False):
         head_dim = d_model // num_heads
         dhk = (d_model, num_heads, head_dim)
+        kv_dhk = (d_model, num_kv_heads or num_heads, head_dim)  # GQA: fewer K/V heads
         self.w_q_dhk = param(rngs, normal(std), dhk, ("embed", "heads", "head_dim"))
-        self.w_k_dhk = param(rngs, normal(std), dhk, ("embed", "heads", "head_dim"))
-        self.w_v_dhk = param(rngs, normal(std), dhk, ("embed", "heads", "head_dim"))
+        self.w_k_dhk = param(rngs, normal(std), kv_dhk, ("embed", "heads", "head_dim"))
+        self.w_v_dhk = param(rngs, normal(std), kv_dhk, ("embed", "heads", "head_dim"))
         self.w_o_hkd = param(rngs, normal(out_std), (num_heads, head_dim, d_model),
                              ("heads", "head_dim", "embed"))
-        self.rope_theta = rope_theta
+        if bias:  # GPT-2: every projection has a bias
+            zeros = jax.nn.initializers.zeros
+            self.b_q_hk = param(rngs, zeros, dhk[1:], ("heads", "head_dim"))
+            self.b_k_hk = param(rngs, zeros, kv_dhk[1:], ("heads", "head_dim"))
+            self.b_v_hk = param(rngs, zeros, kv_dhk[1:], ("heads", "head_dim"))
+            self.b_o_d = param(rngs, zeros, (d_model,), ("embed",))
+        self.rope_theta, self.use_bias = rope_theta, bias
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         heads = ("act_batch", "act_seq", "act_heads", "act_head_dim")
-        # One einsum for q, k, v: under TP their input gradients are summed before the one
-        # all-reduce (Megatron's f), not all-reduced one by one.
-        w_cdhk = jnp.stack([self.w_q_dhk[...], self.w_k_dhk[...], self.w_v_dhk[...]])
-        qkv_cbthk = jnp.einsum("btd,cdhk->cbthk", x_btd, w_cdhk)  # (3, B, T, H, K)
-        q_bthk, k_bthk, v_bthk = (constrain(qkv_cbthk[i], heads) for i in range(3))
+        q_bthk, k_bthk, v_bthk = (constrain(a, heads) for a in self.project_qkv(x_btd))
         if self.rope_theta is not None:
             cos, sin = rope_tables(x_btd.shape[1], q_bthk.shape[-1], self.rope_theta)
             q_bthk, k_bthk = apply_rope(q_bthk, cos, sin), apply_rope(k_bthk, cos, sin)
-        # Every query block needs all earlier keys: gather K/V along the sequence.
-        kv = ("act_batch", "act_kv_seq", "act_heads", "act_head_dim")
-        k_bshk, v_bshk = constrain(k_bthk, kv), constrain(v_bthk, kv)
-        out_bthk = causal_attention(q_bthk, k_bshk, v_bshk)
-        out_btd = jnp.einsum("bthk,hkd->btd", constrain(out_bthk, heads), self.w_o_hkd[...])
+        groups = q_bthk.shape[2] // k_bthk.shape[2]
+        if groups > 1:  # GQA: query head h reads K/V head h // groups (local under TP)
+            k_bthk, v_bthk = (constrain(jnp.repeat(a, groups, axis=2), heads)
+                              for a in (k_bthk, v_bthk))
+        if context.active_method() is not None:  # ring / ulysses / allgather over `sequence`
+            out_bthk = context.context_attention(q_bthk, k_bthk, v_bthk)
+        else:
+            # Every query block needs all earlier keys: gather K/V along the sequence.
+            kv = ("act_batch", "act_kv_seq", "act_heads", "act_head_dim")
+            k_bshk, v_bshk = constrain(k_bthk, kv), constrain(v_bthk, kv)
+            out_bthk = causal_attention(q_bthk, k_bshk, v_bshk)
+        out_btd = linear("bthk,hkd->btd", constrain(out_bthk, heads), self.w_o_hkd[...])
+        if self.use_bias:
+            out_btd = out_btd + self.b_o_d[...]
         return constrain(out_btd, ("act_batch", "act_res_seq", "act_embed"))
+
+    def project_qkv(self, x_btd: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q (B, T, H, K) and k, v (B, T, KV, K), biases added."""
+        # One einsum for q, k, v: under TP their input gradients are summed before the one
+        # all-reduce (Megatron's f), not all-reduced one by one.
+        if self.w_k_dhk.shape == self.w_q_dhk.shape:
+            w_cdhk = jnp.stack([self.w_q_dhk[...], self.w_k_dhk[...], self.w_v_dhk[...]])
+            q_bthk, k_bthk, v_bthk = linear("btd,cdhk->cbthk", x_btd, w_cdhk)  # 3 x (B,T,H,K)
+        else:  # GQA: K/V have fewer heads than q
+            q_bthk = linear("btd,dhk->bthk", x_btd, self.w_q_dhk[...])
+            w_cdhk = jnp.stack([self.w_k_dhk[...], self.w_v_dhk[...]])
+            k_bthk, v_bthk = linear("btd,cdhk->cbthk", x_btd, w_cdhk)  # 2 x (B,T,KV,K)
+        if self.use_bias:
+            q_bthk, k_bthk, v_bthk = (q_bthk + self.b_q_hk[...], k_bthk + self.b_k_hk[...],
+                                      v_bthk + self.b_v_hk[...])
+        return q_bthk, k_bthk, v_bthk
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def linear(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """``jnp.einsum(spec, x, w)`` of an activation and a weight, with autodiff's gradients,
+    but when the output gradient ``g`` is the larger operand the weight gradient is one
+    einsum ``x, g -> w`` in the weight's own dim order. Autodiff's form makes XLA CPU
+    transpose ``g`` inside the fused elementwise backward that produces it (GELU's,
+    RoPE's): a strided loop that took ~30% of a d_model-512 step. This form transposes
+    the smaller activation instead (see README, Performance)."""
+    return jnp.einsum(spec, x, w)
+
+
+def _linear_fwd(spec: str, x: jax.Array, w: jax.Array):
+    return jnp.einsum(spec, x, w), (x, w)
+
+
+def _linear_bwd(spec: str, residuals: tuple[jax.Array, jax.Array], g: jax.Array):
+    x, w = residuals
+    operands, out = spec.split("->")
+    x_dims, w_dims = operands.split(",")
+    dx = jnp.einsum(f"{out},{w_dims}->{x_dims}", g, w).astype(x.dtype)
+    if x.size > g.size:  # autodiff's form already transposes the smaller operand, g
+        return dx, jax.vjp(lambda w_: jnp.einsum(spec, x, w_), w)[1](g)[0]
+    return dx, jnp.einsum(f"{x_dims},{out}->{w_dims}", x, g).astype(w.dtype)
+
+
+linear.defvjp(_linear_fwd, _linear_bwd)
 
 
 def causal_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array) -> jax.Array:
@@ -119,17 +198,48 @@ def causal_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array) ->
     return jnp.einsum("bhts,bshk->bthk", probs_bhts, v_bshk)
 
 
-class MLP(nnx.Module):
-    """GELU MLP: in-projection split by columns, out-projection by rows over ``tensor``."""
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "gelu_tanh": partial(jax.nn.gelu, approximate=True),  # GPT-2's gelu_new
+    "gelu": partial(jax.nn.gelu, approximate=False),
+    "silu": jax.nn.silu,  # SwiGLU's gate (Llama)
+    "relu": jax.nn.relu,
+}
 
-    def __init__(self, d_model: int, d_ff: int, *, std: float, out_std: float, rngs: nnx.Rngs):
+
+class MLP(nnx.Module):
+    """GELU MLP: in-projection split by columns, out-projection by rows over ``tensor``.
+
+    ``gated``: act(x W_gate) * (x W_in), then W_out (SwiGLU with silu, as Llama)."""
+
+    def __init__(self, d_model: int, d_ff: int, *, std: float, out_std: float, rngs: nnx.Rngs,
+                 gated: bool = False, activation: str = "gelu_tanh", bias: bool = False):
         self.w_in_df = param(rngs, normal(std), (d_model, d_ff), ("embed", "mlp"))
         self.w_out_fd = param(rngs, normal(out_std), (d_ff, d_model), ("mlp", "embed"))
+        if gated:
+            self.w_gate_df = param(rngs, normal(std), (d_model, d_ff), ("embed", "mlp"))
+        if bias:
+            zeros = jax.nn.initializers.zeros
+            self.b_in_f = param(rngs, zeros, (d_ff,), ("mlp",))
+            self.b_out_d = param(rngs, zeros, (d_model,), ("embed",))
+            if gated:
+                self.b_gate_f = param(rngs, zeros, (d_ff,), ("mlp",))
+        self.gated, self.activation, self.use_bias = gated, activation, bias
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
-        h_btf = jnp.einsum("btd,df->btf", x_btd, self.w_in_df[...])
-        h_btf = constrain(jax.nn.gelu(h_btf), ("act_batch", "act_seq", "act_mlp"))
-        out_btd = jnp.einsum("btf,fd->btd", h_btf, self.w_out_fd[...])
+        act = ACTIVATIONS[self.activation]
+        if self.gated:  # one einsum for gate and in: one input-gradient all-reduce under TP
+            w_cdf = jnp.stack([self.w_gate_df[...], self.w_in_df[...]])
+            gate_btf, h_btf = linear("btd,cdf->cbtf", x_btd, w_cdf)  # 2 x (B, T, F)
+            if self.use_bias:
+                gate_btf, h_btf = gate_btf + self.b_gate_f[...], h_btf + self.b_in_f[...]
+            h_btf = act(gate_btf) * h_btf
+        else:
+            h_btf = linear("btd,df->btf", x_btd, self.w_in_df[...])
+            h_btf = act(h_btf + self.b_in_f[...] if self.use_bias else h_btf)
+        h_btf = constrain(h_btf, ("act_batch", "act_seq", "act_mlp"))
+        out_btd = linear("btf,fd->btd", h_btf, self.w_out_fd[...])
+        if self.use_bias:
+            out_btd = out_btd + self.b_out_d[...]
         return constrain(out_btd, ("act_batch", "act_res_seq", "act_embed"))
 
 

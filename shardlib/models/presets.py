@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from shardlib.config import ModelConfig
 from shardlib.errors import ConfigError
+from shardlib.models.layers import ACTIVATIONS
+from shardlib.models.moe import check_moe
 
 PRESETS: dict[str, ModelConfig] = {
     # Compiles in seconds; heads divide 1, 2, 4; d_model divides 8 (fsdp=8).
@@ -17,6 +19,13 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt2-small": ModelConfig(name="gpt2-small", vocab_size=50304, d_model=768, num_layers=12,
                               num_heads=12, d_ff=3072, max_seq_len=1024,
                               pos_embedding="learned"),
+    # Mixture of experts: 4 layers, every 2nd an 8-expert top-2 MoE (experts divide 1..8).
+    "moe-tiny": ModelConfig(name="moe-tiny", d_model=64, num_layers=4, num_heads=4, d_ff=128,
+                            max_seq_len=256, num_experts=8, moe_top_k=2, moe_every=2),
+    # 6.7B parameters (Llama-2-7B width, depth and vocab; a 4x GELU MLP as GPT-3 6.7B):
+    # for `shardlib plan --model 7b --devices 256`; too big to train on a CPU.
+    "7b": ModelConfig(name="7b", vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
+                      d_ff=16384, max_seq_len=4096, tie_embeddings=False),
 }
 
 
@@ -43,3 +52,20 @@ def check_model(cfg: ModelConfig) -> None:
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"model.{name}={getattr(cfg, name)} must be >= 1")
+    check_architecture(cfg)
+    check_moe(cfg)
+
+
+def check_architecture(cfg: ModelConfig) -> None:
+    """Raise on an unknown norm, MLP or activation, or K/V heads that do not group."""
+    choices = {"norm": ("rms", "layer"), "mlp": ("plain", "gated"), "activation": ACTIVATIONS}
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"model.{name}={getattr(cfg, name)!r}: use {', '.join(allowed)}")
+    if cfg.num_kv_heads < 0 or cfg.num_heads % cfg.kv_heads:
+        raise ConfigError(f"model.num_kv_heads={cfg.num_kv_heads} must divide model.num_heads="
+                          f"{cfg.num_heads} (0 = num_heads)")
+    plain = (cfg.mlp, cfg.activation, cfg.bias) == ("plain", "gelu_tanh", False)
+    if cfg.num_experts and not plain:
+        raise ConfigError("model.num_experts > 0: MoE experts are plain GELU MLPs without bias;"
+                          " keep model.mlp=plain, model.activation=gelu_tanh, model.bias=false")

@@ -8,11 +8,13 @@ per batch shard, so every device works on its own sample.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlib.sharding import activation_rules
 from shardlib.train.state import TrainSetup
@@ -39,7 +41,7 @@ def generate(setup: TrainSetup, params: nnx.State, prompt: np.ndarray, num_token
     buf_bt = np.zeros((rows, window), np.int32)
     buf_bt[:, : len(prompt)] = prompt
 
-    def step(i: int, carry: tuple[jax.Array, jax.Array, jax.Array]):
+    def step(params: nnx.State, i: int, carry: tuple[jax.Array, jax.Array, jax.Array]):
         buf_bt, out_bn, key = carry
         pos = jnp.minimum(len(prompt) + i, window)  # tokens in the window
         with activation_rules(setup.mesh, setup.rules):
@@ -50,13 +52,15 @@ def generate(setup: TrainSetup, params: nnx.State, prompt: np.ndarray, num_token
         buf_bt = shifted_bt.at[:, jnp.minimum(pos, window - 1)].set(next_b)
         return buf_bt, out_bn.at[:, i].set(next_b), key
 
-    @jax.jit
-    def run(buf_bt: jax.Array, key: jax.Array) -> jax.Array:
+    # params are an argument, not a closure, and the output is replicated: with several
+    # processes a jit may not close over, nor the host read, arrays on other processes
+    @partial(jax.jit, out_shardings=NamedSharding(setup.mesh, PartitionSpec()))
+    def run(params: nnx.State, buf_bt: jax.Array, key: jax.Array) -> jax.Array:
         out_bn = jnp.zeros((rows, num_tokens), jnp.int32)
-        return jax.lax.fori_loop(0, num_tokens, step, (buf_bt, out_bn, key))[1]
+        return jax.lax.fori_loop(0, num_tokens, partial(step, params), (buf_bt, out_bn, key))[1]
 
     buf = jax.device_put(buf_bt, setup.batch_sharding)
-    new_bn = np.asarray(run(buf, jax.random.key(seed)))
+    new_bn = np.asarray(run(params, buf, jax.random.key(seed)))
     return np.concatenate([np.broadcast_to(prompt, (rows, len(prompt))), new_bn], axis=1)
 
 

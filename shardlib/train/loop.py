@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from shardlib import data as data_lib
+from shardlib import observe
 from shardlib.checkpoint import Checkpointer, open_for_training
 from shardlib.config import Config
 from shardlib.models import count_params
@@ -64,20 +65,29 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
     With ``config.checkpoint.dir`` set, it saves every ``checkpoint.every`` steps and at the
     end, resumes with ``checkpoint.resume``, and on SIGTERM/SIGINT saves and stops early.
     """
-    reporter = reporter or NullReporter()
+    reporter = observe.attach(reporter or NullReporter(), config.train)
     checkpointer = open_for_training(config.checkpoint)  # a bad directory fails first
+    if config.mesh.auto:  # `--mesh auto`: the planner picks mesh, remat and microbatches
+        from shardlib.planner import resolve_auto
+
+        config = resolve_auto(config, devices)
     setup = build_setup(config, devices)
     result = TrainResult(state, setup)
     if state is None and checkpointer is not None and config.checkpoint.resume:
         state = checkpointer.restore_latest(setup)
         result.resumed_from = None if state is None else int(state.step)
+    if state is None and config.train.init_from:  # fine-tune HF weights (resume wins)
+        from shardlib.models.hf import pretrained_state
+        state = pretrained_state(setup, config.train.init_from)
     state = state if state is not None else init_state(setup, config.train.seed)
     reporter.on_start(setup, {"params": count_params(config.model)})
     started = time.perf_counter()
+    observer = observe.RunObserver(setup)
     with StopSignals(enabled=checkpointer is not None) as stop:
-        state, compile_s = _run(setup, state, result, reporter, checkpointer, stop)
+        state, compile_s = _run(setup, state, result, reporter, checkpointer, stop, observer)
     result.state = state
     result.summary = summarize(result.history, compile_s, time.perf_counter() - started)
+    result.summary.update(observer.summary(result.summary))  # MFU, peak memory, trace
     if checkpointer is not None:
         _final_save(checkpointer, state, config, result)
     result.sample = "" if result.stopped_by else _sample(setup, state, config.train)
@@ -86,7 +96,8 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
 
 
 def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Reporter,
-         checkpointer: Checkpointer | None, stop: StopSignals) -> tuple[TrainState, float]:
+         checkpointer: Checkpointer | None, stop: StopSignals,
+         observer: observe.RunObserver) -> tuple[TrainState, float]:
     """Compile, then step from ``state.step`` to ``train.steps``: log every ``log_every``
     steps, save every ``checkpoint.every``, and stop before the next step on a signal."""
     tc = setup.config.train
@@ -95,32 +106,61 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
     tick = time.perf_counter()
     step_fn = make_train_step(setup).lower(state, first).compile()
     compile_s = time.perf_counter() - tick
+    observer.on_compiled(step_fn)
+    keep_fn = _keeping_step(setup, state, first, checkpointer)
     eval_step = make_eval_step(setup)
     tokens = tc.batch_size * tc.seq_len
     pending: list[tuple[int, dict]] = []
+    after_save = None
     tick = time.perf_counter()
     first_step = int(state.step) + 1
     for step in range(first_step, tc.steps + 1):
-        if stop.signal:
+        if stop.requested(step, tc.log_every):
             result.stopped_by = stop.signal
             break
         batch = first if step == first_step else data_lib.global_batch(
             train_data, step - 1, setup.batch_sharding)
-        state, metrics = step_fn(state, batch)
+        observer.profiler.before_step(step, state)
+        state, metrics = (after_save or step_fn)(state, batch)
+        observer.profiler.after_step(step, state)
         pending.append((step, metrics))
+        after_save = None
         if checkpointer is not None and checkpointer.should_save(step):
-            checkpointer.save(step, state, setup.config)
+            after_save = keep_fn()  # the next step keeps the saved state: no copy needed
+            checkpointer.save(step, state, setup.config, copy=after_save is None)
         do_eval = tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.steps)
         if do_eval or step % tc.log_every == 0 or step == tc.steps:
             rows = _rows(pending, time.perf_counter() - tick, tokens)
             if do_eval:
                 rows[-1]["eval_loss"] = evaluate(eval_step, state.params, val_data, setup,
                                                  tc.eval_batches)
-            _report(result, reporter, rows)
+            _report(result, reporter, observer.annotate(rows))
             pending, tick = [], time.perf_counter()
     if pending:  # stopped by a signal between two log steps
-        _report(result, reporter, _rows(pending, time.perf_counter() - tick, tokens))
+        rows = _rows(pending, time.perf_counter() - tick, tokens)
+        _report(result, reporter, observer.annotate(rows))
     return state, compile_s
+
+
+def _keeping_step(setup: TrainSetup, state: TrainState, batch: Any,
+                  checkpointer: Checkpointer | None) -> Any:
+    """A getter for the non-donating step, compiled on a thread while training starts.
+
+    The step after a save runs it, so the saved arrays stay valid while orbax reads them
+    and the save needs no copy. Until it is compiled (or if it fails) the getter returns
+    None and the save copies the state instead."""
+    if checkpointer is None or checkpointer.every <= 0:
+        return lambda: None
+    compiled: dict[str, Any] = {}
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          (state, batch))
+
+    def work() -> None:
+        compiled["fn"] = make_train_step(setup, donate=False).lower(*shapes).compile()
+
+    # not a daemon: one still compiling at exit would abort the interpreter's shutdown
+    threading.Thread(target=work, daemon=False, name="shardlib-compile-keeping-step").start()
+    return lambda: compiled.get("fn")
 
 
 def _report(result: TrainResult, reporter: Reporter, rows: list[dict[str, Any]]) -> None:
@@ -159,6 +199,19 @@ class StopSignals:
     def __exit__(self, *exc_info: Any) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def requested(self, step: int, every: int) -> bool:
+        """Stop before ``step``? Several processes must all stop at the same step, so
+        they agree (an all-gather of one flag) only every ``every`` steps."""
+        if not self.enabled or jax.process_count() == 1:
+            return self.signal is not None
+        if (step - 1) % every:
+            return False
+        from shardlib.distributed import any_process
+
+        if any_process(self.signal is not None) and self.signal is None:
+            self.signal = "SIGTERM"  # another process got it: stop and save together
+        return self.signal is not None
 
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name

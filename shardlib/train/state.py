@@ -18,6 +18,8 @@ from shardlib.config import Config, OptimConfig
 from shardlib.errors import ConfigError
 from shardlib.mesh import MESH_AXES, make_mesh, resolve_degrees
 from shardlib.models import GPT, check_model
+from shardlib.models.moe import check_moe
+from shardlib.parallel.context import check_context_parallel
 from shardlib.precision import LossScale, Policy
 from shardlib.precision import resolve as resolve_policy
 
@@ -132,6 +134,9 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 
 def mesh_degrees(config: Config, num_devices: int) -> dict[str, int]:
     """Resolved degrees; ZeRO-3 over ``data`` is FSDP, so it folds ``data`` into ``fsdp``."""
+    if config.mesh.auto:
+        raise ConfigError("mesh.auto=true: resolve it first with "
+                          "shardlib.planner.resolve_auto(config, devices) (train does)")
     degrees = resolve_degrees(config.mesh.degrees(), num_devices)
     if config.mesh.zero not in (0, 1, 2, 3):
         raise ConfigError(f"--zero {config.mesh.zero}: use 0, 1, 2 or 3")
@@ -159,6 +164,9 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None) -> Trai
     devices = list(jax.devices() if devices is None else devices)
     mesh = make_mesh(mesh_degrees(config, len(devices)), devices)
     sizes = dict(mesh.shape)
+    check_moe(config.model, sizes)
+    check_context_parallel(config.attention.context_parallel, sizes=sizes,
+                           num_heads=config.model.num_heads, seq_len=config.train.seq_len)
     rules = sharding.make_rules(config.mesh, sizes, config.rules)
     abstract = nnx.eval_shape(lambda: GPT(config.model, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract)

@@ -16,7 +16,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlib import precision
-from shardlib.parallel import fsdp
+from shardlib.models.moe import moe_objective
+from shardlib.parallel import context, fsdp
 from shardlib.sharding import Rules, activation_rules
 from shardlib.train.state import TrainSetup, TrainState, lr_schedule
 
@@ -24,19 +25,31 @@ Batch = dict[str, jax.Array]  # {"inputs": (B, T) int32, "targets": (B, T) int32
 Metrics = dict[str, jax.Array]
 
 
-def model_loss(setup: TrainSetup, rules: Rules, params: nnx.State, batch: Batch) -> jax.Array:
-    """Mean next-token cross-entropy over the batch, activations pinned by ``rules``."""
-    with activation_rules(setup.mesh, rules):
-        logits_btv = nnx.merge(setup.graphdef, params)(batch["inputs"])
+def model_loss(setup: TrainSetup, rules: Rules, params: nnx.State,
+               batch: Batch) -> tuple[jax.Array, Metrics]:
+    """The objective: mean next-token cross-entropy over the batch plus, for an MoE model,
+    the weighted router losses; and its parts (``loss`` is the cross-entropy alone).
+    Activations are pinned by ``rules``. Every part is a mean over rows."""
+    cp_method = setup.config.attention.context_parallel
+    with activation_rules(setup.mesh, rules), context.context_parallel(cp_method):
+        logits_btv, moe_stats = nnx.merge(setup.graphdef, params).forward(batch["inputs"])
     logits_btv = logits_btv.astype(setup.policy.output)
     losses_bt = optax.softmax_cross_entropy_with_integer_labels(logits_btv, batch["targets"])
-    return jnp.mean(losses_bt)
+    penalty, moe_metrics = moe_objective(setup.config.model, moe_stats)
+    loss = jnp.mean(losses_bt)
+    return loss + penalty.astype(loss.dtype), {"loss": loss, **moe_metrics}
 
 
 def loss_fn(setup: TrainSetup, params: nnx.State, batch: Batch) -> jax.Array:
-    """The training loss, parameters cast to the compute dtype. With ``fsdp`` > 1 (and
-    only batch axes) the parameter gathers are explicit, so the gradient is a real
-    reduce-scatter on every backend (see ``parallel.fsdp``)."""
+    """The training objective (``loss_and_metrics`` without the metrics)."""
+    return loss_and_metrics(setup, params, batch)[0]
+
+
+def loss_and_metrics(setup: TrainSetup, params: nnx.State,
+                     batch: Batch) -> tuple[jax.Array, Metrics]:
+    """The training objective and its parts, parameters cast to the compute dtype. With
+    ``fsdp`` > 1 (and only batch axes) the parameter gathers are explicit, so the gradient
+    is a real reduce-scatter on every backend (see ``parallel.fsdp``)."""
     cast = partial(precision.cast_params, policy=setup.policy)  # before gathers: fewer bytes
     if not fsdp.explicit_fsdp_applies(setup.sizes):
         return model_loss(setup, setup.rules, cast(params), batch)
@@ -61,31 +74,43 @@ def microbatches(setup: TrainSetup, batch: Batch, count: int) -> Batch:
 
 
 def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: Batch,
-                   scale: jax.Array) -> tuple[jax.Array, nnx.State]:
-    """Mean loss and gradients over ``train.grad_accum`` microbatches (``lax.scan``),
-    with the loss multiplied by ``scale`` and the gradients divided by it again."""
+                   scale: jax.Array) -> tuple[jax.Array, nnx.State, Metrics]:
+    """Mean objective, gradients and metrics over ``train.grad_accum`` microbatches
+    (``lax.scan``), the objective multiplied by ``scale`` and the gradients divided again."""
     count = setup.config.train.grad_accum
-    grad_fn = jax.value_and_grad(lambda p, b: loss_fn(setup, p, b) * scale)
+
+    def scaled(p: nnx.State, b: Batch) -> tuple[jax.Array, Metrics]:
+        objective, metrics = loss_and_metrics(setup, p, b)
+        return objective * scale, metrics
+
+    grad_fn = jax.value_and_grad(scaled, has_aux=True)
     pin = lambda g: jax.lax.with_sharding_constraint(g, setup.grad_shardings)
     if count == 1:
-        loss, grads = grad_fn(params, batch)
+        (loss, metrics), grads = grad_fn(params, batch)
     else:
         def accumulate(carry, microbatch):
-            loss, grads = grad_fn(params, microbatch)
-            return (carry[0] + loss, pin(jax.tree.map(jnp.add, carry[1], grads))), None
+            (loss, metrics), grads = grad_fn(params, microbatch)
+            loss_sum, metric_sums = jax.tree.map(jnp.add, carry[:2], (loss, metrics))
+            return (loss_sum, metric_sums, pin(jax.tree.map(jnp.add, carry[2], grads))), None
 
         zeros = pin(jax.tree.map(jnp.zeros_like, params))
-        (loss, grads), _ = jax.lax.scan(accumulate, (jnp.zeros((), jnp.float32), zeros),
-                                        microbatches(setup, batch, count))
+        micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            (x.shape[0] // count, *x.shape[1:]), x.dtype), batch)
+        shapes = jax.eval_shape(grad_fn, params, micro)[0]  # (loss, metrics) zeros
+        init = (*jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), zeros)
+        (loss, metrics, grads), _ = jax.lax.scan(accumulate, init,
+                                                 microbatches(setup, batch, count))
+        metrics = jax.tree.map(lambda m: m / count, metrics)
     unscale = 1.0 / (scale * count)
-    return loss * unscale, pin(jax.tree.map(lambda g: g * unscale.astype(g.dtype), grads))
+    grads = pin(jax.tree.map(lambda g: g * unscale.astype(g.dtype), grads))
+    return loss * unscale, grads, metrics
 
 
 def train_step(setup: TrainSetup, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     """One optimizer step on the global batch; under fp16 a step with non-finite
     gradients is skipped (params and optimizer state kept) and the loss scale halves."""
     scaling = state.loss_scale
-    loss, grads = loss_and_grads(setup, state.params, batch, scaling.scale)
+    _, grads, loss_parts = loss_and_grads(setup, state.params, batch, scaling.scale)
     updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if setup.policy.loss_scaling:
@@ -96,9 +121,10 @@ def train_step(setup: TrainSetup, state: TrainState, batch: Batch) -> tuple[Trai
     rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng,
                            loss_scale=scaling)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+    metrics = {"loss": loss_parts["loss"], "grad_norm": optax.tree.norm(grads),
                "lr": lr_at(setup, state.step), "loss_scale": scaling.scale,
-               "skipped_steps": scaling.skipped}
+               "skipped_steps": scaling.skipped,
+               **{k: v for k, v in loss_parts.items() if k != "loss"}}
     return new_state, metrics
 
 
@@ -106,21 +132,24 @@ def lr_at(setup: TrainSetup, step: jax.Array) -> jax.Array:
     return lr_schedule(setup.config.optim, setup.config.train.steps)(step)
 
 
-def make_train_step(setup: TrainSetup) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
-    """``train_step`` jitted with the setup's shardings; the input state is donated."""
+def make_train_step(setup: TrainSetup, *, donate: bool = True
+                    ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+    """``train_step`` jitted with the setup's shardings. The input state is donated
+    (updated in place) unless ``donate=False``, which keeps it alive, e.g. for a
+    checkpoint still reading it."""
     batch_sh = {"inputs": setup.batch_sharding, "targets": setup.batch_sharding}
     return jax.jit(
         lambda state, batch: train_step(setup, state, batch),
         in_shardings=(setup.state_shardings, batch_sh),
         out_shardings=(setup.state_shardings, None),
-        donate_argnums=(0,),
+        donate_argnums=(0,) if donate else (),
     )
 
 
 def make_eval_step(setup: TrainSetup) -> Callable[[nnx.State, Batch], jax.Array]:
-    """Loss on a held-out batch, no gradients."""
+    """Cross-entropy on a held-out batch, no gradients."""
     batch_sh = {"inputs": setup.batch_sharding, "targets": setup.batch_sharding}
     return jax.jit(
-        lambda params, batch: loss_fn(setup, params, batch),
+        lambda params, batch: loss_and_metrics(setup, params, batch)[1]["loss"],
         in_shardings=(setup.state_shardings.params, batch_sh),
     )

@@ -1,0 +1,201 @@
+"""Mixture of experts on 8 simulated CPU devices: throughput and per-device memory for
+8, 16 and 32 experts with the expert axis 1, 2, 4, 8 (the rest of the devices on
+``data``), the all-to-all bytes in the compiled step next to theory, and the load balance
+(tokens routed to each expert) over a training run with and without the
+load-balancing loss.
+
+    python experiments/moe_sweep.py            # full: 12 sweep points, 200 training steps
+    python experiments/moe_sweep.py --quick    # 8 experts only, 40 steps
+
+Writes ``experiments/results/moe_sweep.csv``, ``moe_load.csv`` and ``moe_sweep.png``.
+CPU timings on simulated devices measure overheads more than real parallel speed: all
+8 "devices" share the host's cores, so more devices never run faster; the memory and
+byte columns are exact per device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+
+from shardlib.mesh import simulate_cpu_devices
+
+simulate_cpu_devices(8)  # before JAX starts
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from shardlib import data as data_lib  # noqa: E402
+from shardlib.analysis.hlo import parse_collectives  # noqa: E402
+from shardlib.analysis.memory import compiled_memory, state_bytes  # noqa: E402
+from shardlib.analysis.theory import comm_terms  # noqa: E402
+from shardlib.config import Config, MeshConfig, OptimConfig, TrainConfig  # noqa: E402
+from shardlib.models import get_preset  # noqa: E402
+from shardlib.sharding import activation_rules  # noqa: E402
+from shardlib.train.state import TrainSetup, build_setup, init_state  # noqa: E402
+from shardlib.train.step import make_train_step  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+BATCH, SEQ = 16, 64
+
+
+def config_for(experts: int, expert_axis: int, steps: int, aux_weight: float = 0.01) -> Config:
+    model = dataclasses.replace(get_preset("moe-tiny"), num_experts=experts,
+                                moe_aux_weight=aux_weight)
+    return Config(mesh=MeshConfig(expert=expert_axis, data=8 // expert_axis), model=model,
+                  optim=OptimConfig(lr=3e-3, warmup_steps=10),
+                  train=TrainConfig(steps=steps, batch_size=BATCH, seq_len=SEQ, data="stdlib",
+                                    eval_every=0, sample_tokens=0))
+
+
+def sweep_point(experts: int, expert_axis: int, timed_steps: int) -> dict:
+    """Compile one step, read its memory and all-to-all bytes, time a few steps."""
+    config = config_for(experts, expert_axis, steps=100)
+    setup = build_setup(config)
+    batches, _ = data_lib.make_batches("stdlib", BATCH, SEQ, 0)
+    state = init_state(setup, 0)
+    batch = data_lib.global_batch(batches, 0, setup.batch_sharding)
+    tick = time.perf_counter()
+    step = make_train_step(setup).lower(state, batch).compile()
+    compile_s = time.perf_counter() - tick
+    memory, held = compiled_memory(step), state_bytes(state)
+    a2a = [c for c in parse_collectives(step.as_text(), setup.mesh) if c.kind == "all-to-all"]
+    theory = sum(t.bytes_per_device for t in comm_terms(config, setup.sizes)
+                 if t.kind == "all-to-all")
+    times = []
+    for i in range(timed_steps + 2):  # two warm-up steps
+        tick = time.perf_counter()
+        state, metrics = step(state, data_lib.global_batch(batches, i, setup.batch_sharding))
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - tick)
+    step_s = statistics.median(times[2:])
+    return {"experts": experts, "expert_axis": expert_axis, "data_axis": 8 // expert_axis,
+            "tokens_per_s": round(BATCH * SEQ / step_s), "step_ms": round(step_s * 1e3, 1),
+            "compile_s": round(compile_s, 1), "params_bytes": held.params,
+            "state_bytes": held.total, "temp_bytes": memory["temp_bytes"],
+            "peak_bytes": sum((memory[k] or 0) * sign for k, sign in (
+                ("argument_bytes", 1), ("output_bytes", 1), ("alias_bytes", -1),
+                ("temp_bytes", 1))),
+            "a2a_bytes": sum(c.total_bytes_per_device for c in a2a), "a2a_theory": theory}
+
+
+def expert_loads(setup: TrainSetup):
+    """A jitted function: params, batch -> (MoE layers, experts) share of routed tokens."""
+    def loads(params: nnx.State, batch: dict) -> jax.Array:
+        with activation_rules(setup.mesh, setup.rules):
+            _, stats = nnx.merge(setup.graphdef, params).forward(batch["inputs"])
+        return stats["load_e"]
+
+    return jax.jit(loads)
+
+
+def load_run(steps: int, every: int, aux_weight: float) -> list[dict]:
+    """Train moe-tiny (8 experts) on expert=4,data=2; every ``every`` steps record the
+    tokens routed to each expert of each MoE layer on that step's batch."""
+    config = config_for(8, 4, steps, aux_weight)
+    setup = build_setup(config)
+    batches, _ = data_lib.make_batches("stdlib", BATCH, SEQ, 0)
+    state, step, loads = init_state(setup, 0), make_train_step(setup), expert_loads(setup)
+    assignments = BATCH * SEQ * config.model.moe_top_k
+    rows, metrics = [], None
+    for i in range(steps + 1):
+        batch = data_lib.global_batch(batches, i, setup.batch_sharding)
+        if i % every == 0 or i == steps:
+            load_le = np.asarray(loads(state.params, batch))
+            loss = None if metrics is None else round(float(metrics["loss"]), 4)
+            rows += [{"aux_weight": aux_weight, "step": i, "layer": layer, "expert": e,
+                      "tokens": round(float(load_le[layer, e]) * assignments), "loss": loss}
+                     for layer in range(load_le.shape[0]) for e in range(load_le.shape[1])]
+        if i < steps:
+            state, metrics = step(state, batch)
+    return rows
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def imbalance(rows: list[dict], aux_weight: float) -> tuple[list[int], list[float]]:
+    """Per recorded step: max over MoE layers of (busiest expert's tokens / mean)."""
+    steps = sorted({r["step"] for r in rows if r["aux_weight"] == aux_weight})
+    ratios = []
+    for s in steps:
+        worst = 0.0
+        for layer in {r["layer"] for r in rows}:
+            t = [r["tokens"] for r in rows if (r["aux_weight"], r["step"], r["layer"])
+                 == (aux_weight, s, layer)]
+            worst = max(worst, max(t) / np.mean(t))
+        ratios.append(worst)
+    return steps, ratios
+
+
+def plot(sweep: list[dict], loads: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 2, figsize=(12, 9))
+    for e in sorted({r["experts"] for r in sweep}):
+        pts = [r for r in sweep if r["experts"] == e]
+        xs = [r["expert_axis"] for r in pts]
+        ax[0, 0].plot(xs, [r["tokens_per_s"] for r in pts], "o-", label=f"{e} experts")
+        ax[0, 1].plot(xs, [r["state_bytes"] / 2**20 for r in pts], "o-", label=f"{e} experts")
+    for a, title, unit in ((ax[0, 0], "throughput (8 simulated CPU devices)", "tokens/s"),
+                           (ax[0, 1], "params + AdamW state per device", "MiB")):
+        a.set(title=title, xlabel="expert axis (data = 8 / expert)", ylabel=unit)
+        a.set_xscale("log", base=2)
+        a.minorticks_off()
+        a.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+        a.legend()
+    first = [r for r in loads if r["aux_weight"] == max(r["aux_weight"] for r in loads)
+             and r["layer"] == 0]
+    steps = sorted({r["step"] for r in first})
+    for e in sorted({r["expert"] for r in first}):
+        ax[1, 0].plot(steps, [next(r["tokens"] for r in first if (r["step"], r["expert"])
+                                   == (s, e)) for s in steps], label=f"expert {e}")
+    ax[1, 0].set(title="tokens per expert, MoE layer 0 (aux loss on)", xlabel="step",
+                 ylabel="tokens routed per batch")
+    ax[1, 0].legend(fontsize=7, ncol=2)
+    for w in sorted({r["aux_weight"] for r in loads}, reverse=True):
+        ax[1, 1].plot(*imbalance(loads, w), "o-", label=f"aux weight {w}")
+    ax[1, 1].axhline(1.0, color="gray", lw=0.5)
+    ax[1, 1].set(title="load imbalance: busiest expert / mean (worst layer)", xlabel="step")
+    ax[1, 1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="8 experts, 40 training steps")
+    args = parser.parse_args()
+    experts = (8,) if args.quick else (8, 16, 32)
+    steps, every = (40, 10) if args.quick else (200, 20)
+    RESULTS.mkdir(exist_ok=True)
+    sweep = []
+    for e in experts:
+        for x in (1, 2, 4, 8):
+            sweep.append(sweep_point(e, x, timed_steps=3 if args.quick else 8))
+            print(sweep[-1], flush=True)
+    write_csv(RESULTS / "moe_sweep.csv", sweep)
+    loads = load_run(steps, every, 0.01) + load_run(steps, every, 0.0)
+    write_csv(RESULTS / "moe_load.csv", loads)
+    for w in (0.01, 0.0):
+        s, r = imbalance(loads, w)
+        print(f"aux weight {w}: busiest/mean expert load at steps {s}: "
+              f"{', '.join(f'{v:.2f}' for v in r)}", flush=True)
+    plot(sweep, loads, RESULTS / "moe_sweep.png")
+    print(f"wrote {RESULTS / 'moe_sweep.csv'}, moe_load.csv, moe_sweep.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""Read and write Hugging Face ``save_pretrained`` directories (GPT-2 and Llama).
+
+Loading reads config.json into a ``ModelConfig`` and the safetensors files (one
+``model.safetensors`` or shards listed in ``model.safetensors.index.json``) one tensor at
+a time: each shardlib parameter is assembled on the host from its HF tensors (all layers
+of one parameter at most) and placed with ``jax.make_array_from_callback`` straight into
+its ``NamedSharding``, so every device receives only its own shard and no device ever
+holds the whole model. Saving writes config.json + model.safetensors that
+``transformers`` loads, one parameter gathered to the host at a time. The layouts
+themselves are in ``models.hf_layout``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from shardlib import sharding
+from shardlib.config import MeshConfig, ModelConfig
+from shardlib.errors import CheckpointError, ConfigError
+from shardlib.mesh import MESH_AXES, make_mesh
+from shardlib.models.gpt import GPT
+from shardlib.models.hf_layout import Link, links, to_hf_config, to_model_config
+
+if TYPE_CHECKING:
+    from shardlib.train.state import TrainSetup, TrainState
+
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
+           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+           "BOOL": np.bool_}
+_CODES = {np.dtype(v).name: k for k, v in _DTYPES.items()}
+# Fields that change the function a checkpoint computes (max_seq_len only with learned
+# positions, where it is the position table's size).
+_ARCH_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "kv_heads", "d_ff",
+                "pos_embedding", "norm", "norm_eps", "mlp", "activation", "bias",
+                "tie_embeddings", "rope_theta")
+
+
+# --- reading ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Entry:
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # of the tensor's first byte in the file
+
+
+class TensorFiles:
+    """The tensors of a save_pretrained directory, read one at a time from disk."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path).expanduser()
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (self.path / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            raise CheckpointError(
+                f"{self.path}: no model.safetensors or model.safetensors.index.json; shardlib "
+                "reads safetensors only (re-save with save_pretrained(..., "
+                "safe_serialization=True))")
+        self.entries: dict[str, _Entry] = {}
+        for name in files:
+            self.entries.update(_read_header(self.path / name))
+
+    def read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """Tensor ``name``, checked to have ``shape`` (else an error naming both)."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise CheckpointError(
+                f"{self.path}: tensor {name} is missing ({len(self.entries)} tensors in "
+                f"{', '.join(sorted({e.file.name for e in self.entries.values()}))}); "
+                "is the checkpoint complete and does config.json describe it?")
+        if entry.shape != shape:
+            raise CheckpointError(
+                f"{name}: shape {entry.shape} in {entry.file.name}, but config.json implies "
+                f"{shape}; the weights and config.json disagree")
+        count = math.prod(shape)
+        data = np.fromfile(entry.file, dtype=_DTYPES[entry.dtype], count=count,
+                           offset=entry.offset)
+        return data.reshape(shape)
+
+
+def _read_header(file: Path) -> dict[str, _Entry]:
+    with file.open("rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    entries = {}
+    for name, info in header.items():
+        if info["dtype"] not in _DTYPES:
+            raise CheckpointError(f"{file}: tensor {name} has dtype {info['dtype']}, which "
+                                  f"shardlib cannot read ({', '.join(_DTYPES)})")
+        entries[name] = _Entry(file, info["dtype"], tuple(info["shape"]),
+                               8 + size + info["data_offsets"][0])
+    return entries
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a save_pretrained directory's config.json."""
+    file = Path(path).expanduser() / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{path}: no config.json; point at a directory written by "
+                              "transformers' save_pretrained")
+    return to_model_config(json.loads(file.read_text()), where=str(file))
+
+
+def _table(cfg: ModelConfig, files: TensorFiles) -> list[Link]:
+    """The links of ``cfg``, with the module prefix the files use (the original GPT-2
+    checkpoints name ``wte.weight``, transformers ``transformer.wte.weight``)."""
+    table = links(cfg)
+    if table[0].hf[0] not in files.entries and table[0].hf[0].split(".", 1)[-1] in files.entries:
+        table = links(cfg, prefix="")
+    return table
+
+
+def _split_path(name: str, var: Any) -> tuple[str, list[int] | int | None]:
+    """'blocks.attn.w_q_dhk' -> ('attn.w_q_dhk', [0..L-1]) when stacked over layers,
+    'blocks.3.attn.w_q_dhk' -> ('attn.w_q_dhk', 3), 'embed.w_vd' -> ('embed.w_vd', None)."""
+    parts = name.split(".")
+    if parts[0] != "blocks":
+        return name, None
+    if parts[1].isdigit():
+        return ".".join(parts[2:]), int(parts[1])
+    assert var.get_metadata("logical")[0] == "layers", name
+    return ".".join(parts[1:]), list(range(var.shape[0]))
+
+
+def _host_param(files: TensorFiles, owner: dict[str, tuple[Link, int]], rel: str,
+                layers: list[int] | int | None) -> np.ndarray:
+    """One shardlib parameter assembled on the host from its HF tensors."""
+    if rel not in owner:
+        raise ConfigError(f"parameter {rel} has no Hugging Face counterpart")
+    link, j = owner[rel]
+
+    def one(i: int | None) -> np.ndarray:
+        hf = [files.read(n.format(i=i), s) for n, s in zip(link.hf, link.hf_shapes, strict=True)]
+        return link.to_ours(hf)[j]
+
+    return np.stack([one(i) for i in layers]) if isinstance(layers, list) else one(layers)
+
+
+def load_params(path: str | os.PathLike, cfg: ModelConfig, abstract_params: nnx.State,
+                shardings: nnx.State, dtype: Any = jnp.float32) -> nnx.State:
+    """The parameters of ``abstract_params`` read from ``path``, each placed straight into
+    its sharding in ``shardings`` (a State of NamedShardings of the same structure)."""
+    check_matches(load_config(path), cfg, path)
+    files = TensorFiles(path)
+    owner = {ours: (link, j) for link in _table(cfg, files) for j, ours in enumerate(link.ours)}
+    is_var = lambda x: isinstance(x, nnx.Variable)
+
+    def place(key: tuple, var: nnx.Variable, target: nnx.Variable) -> nnx.Variable:
+        from shardlib.train.state import path_str
+
+        host = _host_param(files, owner, *_split_path(path_str(key), var)).astype(dtype)
+        assert host.shape == tuple(var.shape), (path_str(key), host.shape, var.shape)
+        array = jax.make_array_from_callback(host.shape, target.get_value(),
+                                             lambda index: host[index])
+        return var.replace(value=array)
+
+    return jax.tree_util.tree_map_with_path(place, abstract_params, shardings, is_leaf=is_var)
+
+
+def check_matches(theirs: ModelConfig, ours: ModelConfig, path: str | os.PathLike) -> None:
+    """Raise naming every field where the run's model differs from config.json's."""
+    fields = _ARCH_FIELDS + (("max_seq_len",) if ours.pos_embedding == "learned" else ())
+    diffs = [f"model.{f}={getattr(theirs, f)!r} there, {getattr(ours, f)!r} here"
+             for f in fields if getattr(theirs, f) != getattr(ours, f)]
+    if diffs:
+        raise ConfigError(f"{path}: config.json does not describe this model: {'; '.join(diffs)}"
+                          "; build the model config with shardlib.models.hf.load_config(path) "
+                          "(`shardlib train --init-from` does)")
+
+
+def pretrained_state(setup: TrainSetup, path: str | os.PathLike) -> TrainState:
+    """A fresh TrainState (step 0, new AdamW state) whose parameters come from ``path``."""
+    from shardlib.precision import LossScale
+    from shardlib.train.state import TrainState
+
+    params = load_params(path, setup.config.model, setup.abstract_params,
+                         setup.state_shardings.params, dtype=setup.policy.param)
+    state_key = jax.random.split(jax.random.key(setup.config.train.seed))[1]
+
+    def init(params: nnx.State) -> TrainState:
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          opt_state=setup.tx.init(params), rng=jax.random.key_data(state_key),
+                          loss_scale=LossScale.initial(setup.config.precision))
+
+    return jax.jit(init, out_shardings=setup.state_shardings, donate_argnums=0)(params)
+
+
+def from_pretrained(path: str | os.PathLike, *, mesh: Mesh | None = None,
+                    rules: sharding.Rules | None = None, dtype: Any = jnp.float32) -> GPT:
+    """A GPT with the weights of a save_pretrained directory, sharded over ``mesh`` (default:
+    one device) by ``rules`` (default: the presets of the mesh's axes > 1)."""
+    from shardlib.train.state import named_tree, param_specs
+
+    cfg = load_config(path)
+    mesh = mesh or make_mesh(dict.fromkeys(MESH_AXES, 1), jax.devices()[:1])
+    sizes = dict(mesh.shape)
+    rules = sharding.make_rules(MeshConfig(), sizes) if rules is None else rules
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+    shardings = named_tree(param_specs(abstract, rules, sizes), mesh)
+    return nnx.merge(graphdef, load_params(path, cfg, abstract, shardings, dtype))
+
+
+# --- writing ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Saved:
+    path: Path
+    tensors: int
+    params: int
+    bytes: int
+
+
+def save_pretrained(model: GPT, path: str | os.PathLike, *, dtype: str = "float32") -> Saved:
+    """Write ``model`` as config.json + model.safetensors that transformers loads
+    (GPT2LMHeadModel or LlamaForCausalLM), gathering one parameter at a time."""
+    from shardlib.train.state import path_str
+
+    arrays = {path_str(p): v.get_value()
+              for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return write_pretrained(model.cfg, lambda name: np.asarray(jax.device_get(arrays[name])),
+                            arrays, path, dtype=dtype)
+
+
+def write_pretrained(cfg: ModelConfig, get: Callable[[str], np.ndarray], names: Iterable[str],
+                     path: str | os.PathLike, *, dtype: str = "float32") -> Saved:
+    """Write config.json + model.safetensors from ``get(name)``, which returns one
+    shardlib parameter (by path, e.g. ``blocks.attn.w_q_dhk``) as a host array."""
+    out = Path(path).expanduser().absolute()
+    if not out.parent.is_dir() or out.is_file():
+        raise CheckpointError(f"--out {out}: must be a directory in an existing folder")
+    out.mkdir(exist_ok=True)
+    if np.dtype(dtype).name not in ("float32", "float16", "bfloat16"):
+        raise ConfigError(f"dtype={dtype!r}: use float32, float16 or bfloat16")
+    table, names = links(cfg), set(names)
+    order = [(n.format(i=i), s) for link in table for i in _layers(cfg, link)
+             for n, s in zip(link.hf, link.hf_shapes, strict=True)]
+    header = _header(order, np.dtype(dtype))
+    tmp = out / "model.safetensors.tmp"
+    with tmp.open("wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        for link in table:  # one link's parameters on the host at a time
+            ours = [_gather(cfg, get, names, rel, link.layered) for rel in link.ours]
+            for i in _layers(cfg, link):
+                hf = link.to_hf([x[i] if link.layered else x for x in ours])
+                for array, shape in zip(hf, link.hf_shapes, strict=True):
+                    assert array.shape == shape, (link.hf, array.shape, shape)
+                    f.write(np.ascontiguousarray(array.astype(dtype)).tobytes())
+    os.replace(tmp, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2) + "\n")
+    count = sum(math.prod(s) for _, s in order)
+    return Saved(out, len(order), count, (out / "model.safetensors").stat().st_size)
+
+
+def _layers(cfg: ModelConfig, link: Link) -> range | list[None]:
+    return range(cfg.num_layers) if link.layered else [None]
+
+
+def _gather(cfg: ModelConfig, get: Callable[[str], np.ndarray], names: set[str], rel: str,
+            layered: bool) -> np.ndarray:
+    """A parameter, stacked over layers when ``layered`` (scanned or per-layer storage)."""
+    if not layered or f"blocks.{rel}" in names:
+        return get(rel if not layered else f"blocks.{rel}")
+    return np.stack([get(f"blocks.{i}.{rel}") for i in range(cfg.num_layers)])
+
+
+def _header(order: list[tuple[str, tuple[int, ...]]], dtype: np.dtype) -> bytes:
+    """The safetensors JSON header, tensors back to back in write order, padded to 8."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in order:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _CODES[dtype.name], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    return text + b" " * (-len(text) % 8)
+
+
+def export_pretrained(directory: str | os.PathLike, out: str | os.PathLike,
+                      step: int | None = None, *, dtype: str = "float32") -> tuple[int, Saved]:
+    """A training checkpoint (default: its newest good step) as a save_pretrained
+    directory, read one parameter at a time on the host: no devices, no mesh."""
+    import orbax.checkpoint as ocp
+
+    from shardlib.checkpoint import Checkpointer
+    from shardlib.export import _good_step, _read_array
+
+    checkpointer = Checkpointer(directory, read_only=True)
+    step = _good_step(checkpointer, step)
+    saved = checkpointer.saved_config(step).get("model", {})
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    cfg = ModelConfig(**{k: v for k, v in saved.items() if k in known})
+    keys = {path.removeprefix("params."): key
+            for path, (key, _) in checkpointer.saved_arrays(step).items()
+            if path.startswith("params.")}
+    reader = ocp.PyTreeCheckpointer()
+    get = lambda name: _read_array(reader, checkpointer, step, keys[name])
+    return step, write_pretrained(cfg, get, keys, out, dtype=dtype)

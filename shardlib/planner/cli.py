@@ -1,0 +1,99 @@
+"""``shardlib plan``: flags, device set-up and output (wired into ``shardlib.cli``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+from shardlib.errors import ConfigError
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``16GiB``, ``80GB``, ``512MiB`` or a plain byte count -> bytes."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        raise ConfigError(f"--memory-budget {text!r}: use a size like 16GiB, 80GB or 512MiB")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def parse_pinned(text: str) -> dict[str, int]:
+    """``tensor=8`` -> {"tensor": 8}: axes the search must not change."""
+    from shardlib.mesh import MESH_AXES
+
+    pinned = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        axis, _, size = item.partition("=")
+        if axis not in MESH_AXES or not size.isdigit() or int(size) < 1:
+            raise ConfigError(f"--mesh {item!r}: plan pins degrees as AXIS=N (N >= 1), AXIS "
+                              f"one of {', '.join(MESH_AXES)}; leave out the axes to search")
+        pinned[axis] = int(size)
+    return pinned
+
+
+def add_plan_parser(sub: argparse._SubParsersAction, add_model_flags) -> None:
+    plan = sub.add_parser("plan", help="search meshes x remat x microbatches for a model, a "
+                          "device count and a memory budget; rank them by predicted step time")
+    add_model_flags(plan)
+    plan.add_argument("--device-profile", default="", metavar="cpu|h100|h200|v5e|v5p|FILE",
+                      help="device and network to plan for (default: this machine's; cpu is "
+                      "measured and cached); FILE is JSON with the profile's fields")
+    plan.add_argument("--memory-budget", metavar="SIZE", help="bytes per device, e.g. 16GiB "
+                      "(default: the profile's device memory)")
+    plan.add_argument("--top", type=int, default=10, help="rows to show (default 10)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument("--compile-top", type=int, default=4, help="compile up to N of the best "
+                      "candidates ahead of time for exact figures (default 4; 0: analytic only)")
+    plan.add_argument("--compile-budget", type=float, default=40.0, metavar="SECONDS",
+                      help="stop compiling once this much time is spent (default 40)")
+    plan.add_argument("--from-mesh", metavar="AXIS=N,...", help="price moving the train "
+                      "state from this mesh (e.g. a checkpoint's) to each candidate")
+    plan.epilog = ("--mesh pins the named axes (e.g. --mesh tensor=8); --remat and "
+                   "--grad-accum fix those; everything else is searched.")
+
+
+def _plan_devices(count: int):
+    """Simulate ``count`` CPU devices without an accelerator; the devices to compile on,
+    or None when this host cannot hold ``count`` of them (then analytic only)."""
+    import jax
+
+    from shardlib.mesh import has_accelerator, simulate_cpu_devices
+
+    if count < 1:
+        raise ConfigError(f"--devices {count}: must be >= 1")
+    simulate_cpu_devices(count)
+    if not has_accelerator():
+        return jax.devices()[:count]
+    return jax.devices()[:count] if len(jax.devices()) >= count else None
+
+
+def run_plan(args: argparse.Namespace, config_from_args) -> int:
+    from shardlib.cli import DEFAULT_CPU_DEVICES
+    from shardlib.planner.profiles import get_profile
+    from shardlib.planner.report import render, to_json
+    from shardlib.planner.resolve import profile_for
+    from shardlib.planner.search import plan
+    from shardlib.planner.space import MICROBATCHES, REMATS
+
+    pinned = parse_pinned(args.mesh) if args.mesh else None
+    args.mesh = ""
+    config = config_from_args(args)
+    count = args.devices or DEFAULT_CPU_DEVICES
+    devices = _plan_devices(count)
+    profile = get_profile(args.device_profile) if args.device_profile else \
+        profile_for((devices or __import__("jax").devices())[0])
+    from_mesh = parse_pinned(args.from_mesh) if args.from_mesh else None
+    result = plan(config, count, profile, devices=devices, pinned=pinned,
+                  budget_bytes=parse_bytes(args.memory_budget) if args.memory_budget else None,
+                  remats=(args.remat,) if args.remat else REMATS,
+                  microbatches=(args.grad_accum,) if args.grad_accum else MICROBATCHES,
+                  compile_top=args.compile_top, compile_budget_s=args.compile_budget,
+                  from_mesh=from_mesh)
+    if args.json:
+        print(json.dumps(to_json(result)), flush=True)
+    else:
+        render(result, top=args.top)
+    return 0 if result.best is not None else 1

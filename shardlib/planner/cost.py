@@ -1,0 +1,285 @@
+"""The cost model: per-candidate figures (FLOPs, bytes per mesh axis, peak memory) and
+the step time they predict on a device profile.
+
+Figures come from two places. ``analytic_figures`` uses the theory formulas
+(``analysis.theory``: the minimum bytes of each strategy, DESIGN.md s5) and an activation
+count per layer: cheap, any device count, a lower bound on communication. The search
+replaces them with ``compiled`` figures (the partitioned HLO's collectives and XLA's
+memory analysis) for the candidates it compiles.
+
+Step time, with the overlap assumptions stated:
+
+    compute  = FLOPs per device / (peak FLOP/s x efficiency)
+    comm(g)  = bytes(g) / bandwidth(link of g) + hops(g) x latency(link of g)
+    weights  = sum of comm(g) over groups g spanning only batch axes (data, fsdp):
+               parameter gathers and gradient reductions, which XLA's latency-hiding
+               scheduler runs asynchronously under the layers' compute (GPU, TPU)
+    exposed  = every other group (tensor, sequence): activations the next matmul waits on
+    step     = max(compute, weights) + tax x min(compute, weights) + exposed   (overlap)
+    step     = compute + weights + exposed                                (no overlap: CPU)
+
+``tax`` charges overlapped collectives for the SMs / memory bandwidth they take.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from shardlib.analysis.hlo import Collective
+from shardlib.analysis.theory import comm_terms, param_counts, state_bytes_per_device
+from shardlib.config import Config
+from shardlib.parallel.fsdp import BATCH_AXES, explicit_fsdp_applies
+from shardlib.planner.profiles import DeviceProfile, link_for
+from shardlib.planner.space import Candidate
+
+RING_HOPS = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1, "all-to-all": 1}
+
+
+@dataclass(frozen=True)
+class AxisComm:
+    """One group of mesh axes: bytes each device sends per step, collectives, ring hops."""
+
+    bytes: int
+    count: int
+    hops: int
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What a candidate costs per device per step, before a profile turns it into time."""
+
+    flops: float
+    comm: dict[str, AxisComm]  # "data+fsdp" -> traffic over that axis group
+    memory_bytes: int  # peak bytes per device
+    source: str  # "analytic" or "compiled"
+    state_bytes: int = 0  # params + optimizer state per device
+    compile_s: float = 0.0
+
+    @property
+    def comm_bytes(self) -> int:
+        return sum(c.bytes for c in self.comm.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["comm"] = {k: asdict(v) for k, v in self.comm.items()}
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Figures:
+        comm = {k: AxisComm(**v) for k, v in data["comm"].items()}
+        return cls(**{**data, "comm": comm})
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted step time and its parts, in seconds."""
+
+    step_s: float
+    compute_s: float
+    weights_comm_s: float
+    exposed_comm_s: float
+    comm_s: dict[str, float] = field(default_factory=dict)  # per axis group
+
+    @property
+    def lower_bound_s(self) -> float:
+        """Compute alone: no candidate with these FLOPs can be faster."""
+        return self.compute_s
+
+
+def axis_key(axes: Iterable[str]) -> str:
+    return "+".join(axes) or "-"
+
+
+# --------------------------------------------------------------------------- time
+def predict(figures: Figures, cand: Candidate, profile: DeviceProfile,
+            compute_dtype: str) -> Estimate:
+    """Step time of ``figures`` on ``profile`` (see the module docstring)."""
+    compute = figures.flops / (profile.flops(compute_dtype) * profile.compute_efficiency)
+    per_group: dict[str, float] = {}
+    weights = exposed = 0.0
+    for key, comm in figures.comm.items():
+        axes = tuple(a for a in key.split("+") if a != "-")
+        link = link_for(profile, cand.sizes, axes)
+        seconds = comm.bytes / link.bandwidth + comm.hops * link.latency
+        per_group[key] = seconds
+        if set(axes) <= set(BATCH_AXES):
+            weights += seconds
+        else:
+            exposed += seconds
+    if profile.overlap:
+        step = max(compute, weights) + profile.overlap_tax * min(compute, weights) + exposed
+    else:
+        step = compute + weights + exposed
+    return Estimate(step, compute, weights, exposed, per_group)
+
+
+# --------------------------------------------------------------------------- FLOPs
+def flops_per_device(config: Config, cand: Candidate) -> float:
+    """Model FLOPs per device per step: ``6 Psi + 12 L T d`` per token, plus what the
+    remat policy recomputes in backward (``full``: the layers' forward, ``2 Psi_layers +
+    4 L T d``; ``dots``: the attention einsums, which have batch dims, ``4 L T d``)."""
+    m, seq = config.model, config.train.seq_len
+    psi = param_counts(m).total
+    attention = 4 * m.num_layers * seq * m.d_model  # forward, per token
+    per_token = 6 * psi + 3 * attention
+    layer_params = m.num_layers * (4 * m.d_model**2 + 2 * m.d_model * m.d_ff)
+    per_token += {"none": 0, "dots": attention,
+                  "full": 2 * layer_params + attention}[cand.remat]
+    return per_token * config.train.batch_size * seq / math.prod(cand.sizes.values())
+
+
+# --------------------------------------------------------------------------- comm
+def analytic_comm(config: Config, cand: Candidate, profile: DeviceProfile,
+                  gather_bytes: int = 4, grad_bytes: int = 4) -> dict[str, AxisComm]:
+    """Theory bytes per axis group, per microbatch times microbatches (every microbatch
+    gathers the weights and reduces its gradients). FSDP traffic moves ``gather_bytes``
+    per weight, the gradient all-reduce ``grad_bytes``; remat repeats the forward's
+    activation collectives it recomputes; reduce-scatters count twice where the backend
+    emulates them (XLA CPU) outside the explicit-FSDP path."""
+    m = cand.microbatches
+    micro = dataclasses.replace(  # one microbatch; the terms do not depend on remat
+        config, model=dataclasses.replace(config.model, remat="none"),
+        train=dataclasses.replace(config.train, batch_size=config.train.batch_size // m,
+                                  grad_accum=1))
+    emulated = not profile.native_reduce_scatter and not explicit_fsdp_applies(cand.sizes)
+    out: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for term in _terms(micro, cand.degrees, gather_bytes):
+        kind, scale = term.kind, _remat_repeats(term.name, cand.remat)
+        if term.name == "grads all-reduce":
+            scale *= grad_bytes / gather_bytes
+        if emulated and kind == "reduce-scatter":
+            kind, scale = "all-reduce", 2 * scale
+        n = math.prod(cand.sizes.get(a, 1) for a in term.axes)
+        runs = round(_runs(config, term.name) * _remat_repeats(term.name, cand.remat))
+        entry = out[axis_key(term.axes)]
+        entry[0] += round(term.bytes_per_device * scale) * m
+        entry[1] += runs * m
+        entry[2] += runs * m * RING_HOPS.get(kind, 1) * (n - 1)
+    return {key: AxisComm(*values) for key, values in out.items()}
+
+
+@functools.lru_cache(maxsize=4096)
+def _terms(config: Config, degrees: tuple[tuple[str, int], ...], param_bytes: int) -> list:
+    """``theory.comm_terms``, memoized: candidates differing only in remat share them."""
+    return comm_terms(config, dict(degrees), param_bytes=param_bytes)
+
+
+def _remat_repeats(term_name: str, remat: str) -> float:
+    """How many times a term's collectives run relative to no remat: recomputing a layer
+    repeats its K/V gathers (full and dots: attention is not saved) and, under full remat,
+    the all-reduce after attention (one more of the four per layer)."""
+    if term_name == "K/V all-gather" and remat in ("full", "dots"):
+        return 2.0
+    if term_name == "blocks f/g" and remat == "full":
+        return 1.25
+    return 1.0
+
+
+def _runs(config: Config, term_name: str) -> int:
+    """Collectives behind one theory term: per weight for weights, per layer for blocks."""
+    layers = config.model.num_layers
+    if term_name.startswith(("params", "grads")):
+        return 9 + (0 if config.model.tie_embeddings else 1) + (
+            1 if config.model.pos_embedding == "learned" else 0)
+    if term_name.startswith(("blocks", "K/V")):
+        return 2 * layers if term_name.startswith("K/V") else 4 * layers
+    return 1
+
+
+def compiled_comm(collectives: Iterable[Collective], *, native_reduce_scatter: bool = False,
+                  fsdp_scale: float = 1.0) -> dict[str, AxisComm]:
+    """Bytes, runs and ring hops per axis group, read from the partitioned HLO.
+
+    Compiled on XLA CPU for a GPU/TPU profile, two CPU artefacts are undone: an emulated
+    reduce-scatter (all-reduce + slice) counts as the reduce-scatter the target runs
+    (``native_reduce_scatter``), and fp32 FSDP gathers / reduce-scatters are scaled to
+    the compute dtype the target gathers in (``fsdp_scale``, see ``parallel.fsdp``).
+    """
+    out: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+    for c in collectives:
+        nbytes, kind = c.total_bytes_per_device, c.kind
+        if native_reduce_scatter and c.emulated_reduce_scatter:
+            nbytes, kind = nbytes // 2, "reduce-scatter"
+        if c.axes == ("fsdp",) and kind in ("all-gather", "reduce-scatter") and \
+                c.dtype == "f32":
+            nbytes = round(nbytes * fsdp_scale)
+        entry = out[axis_key(c.axes)]
+        entry[0] += nbytes
+        entry[1] += c.count
+        entry[2] += c.count * RING_HOPS.get(kind, 1) * max(c.group_size - 1, 0)
+    return {key: AxisComm(*values) for key, values in out.items() if values[0] or values[1]}
+
+
+# --------------------------------------------------------------------------- memory
+# Buffer counts fitted (least squares on relative error) to XLA CPU's memory analysis of
+# 87 compiled fp32 train steps, tiny and small models on 8 devices, every mesh and remat:
+# estimate / compiled within 0.82-1.14 for remat none, 0.86-1.26 with remat
+# (``MEMORY_MARGIN`` in ``search`` covers that: nearer the budget, a verdict needs a compile).
+UPDATE_COPIES = 2  # param-sized buffers next to the state: gradients, Adam's update
+GATHER_COPIES = (2, 1)  # full weights gathered by FSDP: (explicit path: + their full
+# gradients, parallel/fsdp.py; XLA's automatic path)
+D_ARRAYS = (4, 6)  # per layer per token: (fp32, compute-dtype) d-sized activations
+F_ARRAYS = 9  # per layer per token: compute-dtype (d_ff / t)-sized activations (GELU)
+LOGIT_BYTES = 18  # per token per (vocab / t): fp32 logits, softmax and their gradients
+REMAT_D_ARRAYS = {"dots": 5.2, "full": 3.1}  # per layer per token, compute dtype, d-sized
+
+
+def analytic_memory(config: Config, cand: Candidate, compute_bytes: int,
+                    gather_bytes: int) -> int:
+    """Peak bytes per device: state, gradients and update, gathered weights, activations.
+
+    ``gather_bytes``: bytes per element FSDP gathers weights in (the compute dtype on
+    GPU/TPU, the parameter dtype on XLA CPU; see ``parallel.fsdp``).
+    """
+    sizes = cand.sizes
+    state = _state_bytes(config, cand.degrees)
+    params = state / 3  # (1 + 2 moments) x P
+    counts = param_counts(config.model)
+    p_t = counts.tensor_split / sizes.get("tensor", 1) + counts.tensor_replicated
+    copies = GATHER_COPIES[0] if explicit_fsdp_applies(sizes) else GATHER_COPIES[1]
+    gathered = copies * p_t * gather_bytes if sizes.get("fsdp", 1) > 1 else 0
+    act = local_tokens(config, cand) * activation_bytes_per_token(config, cand, compute_bytes)
+    return round(state + UPDATE_COPIES * params + gathered + act)
+
+
+@functools.lru_cache(maxsize=4096)
+def _state_bytes(config: Config, degrees: tuple[tuple[str, int], ...]) -> int:
+    return state_bytes_per_device(config, dict(degrees))
+
+
+def cross_compile_memory(config: Config, cand: Candidate, compute_bytes: int) -> int:
+    """Bytes an XLA CPU compile holds beyond a GPU/TPU one: explicit FSDP gathers the
+    weights (and reduces their gradients) in fp32 on CPU, in the compute dtype elsewhere."""
+    if not explicit_fsdp_applies(cand.sizes) or compute_bytes >= 4:
+        return 0
+    counts = param_counts(config.model)
+    return GATHER_COPIES[0] * counts.total * (4 - compute_bytes)
+
+
+def local_tokens(config: Config, cand: Candidate) -> float:
+    """Tokens of one microbatch on one device."""
+    sizes = cand.sizes
+    batch = config.train.batch_size / (
+        cand.microbatches * sizes.get("data", 1) * sizes.get("fsdp", 1))
+    return batch * config.train.seq_len / sizes.get("sequence", 1)
+
+
+def activation_bytes_per_token(config: Config, cand: Candidate, c: int) -> float:
+    """Bytes kept per local token for backward (all layers), one layer's working set while
+    it is rebuilt (remat), and the logits'. Attention probabilities (fp32, every key: K/V
+    are gathered along the sequence) are kept unless the layer is recomputed."""
+    m, t = config.model, cand.sizes.get("tensor", 1)
+    d, f, h = m.d_model, m.d_ff / t, m.num_heads / t
+    probs = h * config.train.seq_len * 4
+    if cand.remat == "none":
+        per_layer = d * (D_ARRAYS[0] * 4 + D_ARRAYS[1] * c) + F_ARRAYS * f * c + probs
+        working = 0.0
+    else:  # layer inputs (and, for dots, matmul outputs); one layer's probs rebuilt
+        per_layer, working = REMAT_D_ARRAYS[cand.remat] * d * c, probs
+    return m.num_layers * per_layer + working + LOGIT_BYTES * m.vocab_size / t

@@ -1,0 +1,232 @@
+"""Device profiles: peak FLOP/s, memory and the links each mesh axis crosses.
+
+Presets for H100/H200 (NVLink inside an 8-GPU node, InfiniBand between nodes) and TPU
+v5e/v5p (ICI inside a slice, DCN between slices); ``cpu`` is measured on this machine
+(a timed matmul on every simulated device at once, and a timed all-gather and tiny
+all-reduce between them) and cached. ``--device-profile FILE`` reads a JSON object with
+the same fields, optionally ``"base": "h100"`` to start from a preset.
+
+Which link an axis uses follows the mesh layout: devices fill the mesh in ``MESH_AXES``
+order (``data`` outermost, ``tensor`` innermost), so an axis whose groups stay inside
+``node_size`` consecutive devices rides the fast link and any other the slow one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shardlib.errors import ConfigError
+from shardlib.mesh import MESH_AXES
+
+
+@dataclass(frozen=True)
+class Link:
+    """One direction of a device's link: sustained bytes/s, and seconds per ring hop."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What the cost model needs to know about one kind of device and its network."""
+
+    name: str
+    peak_flops: dict[str, float]  # per compute dtype ("float32", "bfloat16", "float16")
+    memory_bytes: int  # per device
+    node_size: int  # devices joined by the fast link
+    intra: Link  # NVLink / ICI / shared memory
+    inter: Link  # InfiniBand / DCN
+    compute_efficiency: float = 0.6  # sustained fraction of peak on the model's matmuls
+    overlap: bool = True  # weight collectives run asynchronously under compute
+    overlap_tax: float = 0.1  # fraction of overlapped collective time still paid
+    native_reduce_scatter: bool = True  # False on XLA CPU: all-reduce + slice, 2x bytes
+    source: str = "preset"
+
+    def flops(self, dtype: str) -> float:
+        """Peak FLOP/s for matmuls in ``dtype`` (fp32 if the dtype is not listed)."""
+        return self.peak_flops.get(dtype, self.peak_flops["float32"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+GIB = 2**30
+_NVLINK, _IB = Link(400e9, 5e-6), Link(45e9, 10e-6)  # NVLink 4 / NDR 400 Gb/s, achievable
+PRESETS: dict[str, DeviceProfile] = {
+    # H100 SXM: 989 TFLOP/s bf16 dense; fp32 matmuls run as TF32 (JAX's default precision).
+    "h100": DeviceProfile("h100", {"bfloat16": 989e12, "float16": 989e12, "float32": 495e12},
+                          80 * GIB, 8, _NVLINK, _IB),
+    "h200": DeviceProfile("h200", {"bfloat16": 989e12, "float16": 989e12, "float32": 495e12},
+                          141 * 10**9, 8, _NVLINK, _IB),
+    # TPU: fp32 matmuls run as one bf16 pass at JAX's default precision. ICI: a ring over
+    # one torus axis uses two links; DCN: the host NICs shared by its chips.
+    "v5e": DeviceProfile("v5e", {"bfloat16": 197e12, "float32": 197e12}, 16 * GIB, 256,
+                         Link(90e9, 5e-6), Link(6e9, 20e-6), compute_efficiency=0.65),
+    "v5p": DeviceProfile("v5p", {"bfloat16": 459e12, "float32": 459e12}, 95 * GIB, 8960,
+                         Link(180e9, 5e-6), Link(6e9, 20e-6), compute_efficiency=0.7),
+}
+
+
+def link_for(profile: DeviceProfile, sizes: Mapping[str, int], axes: Iterable[str]) -> Link:
+    """The link a collective over ``axes`` is limited by on a mesh with ``sizes``."""
+    axes = tuple(axes)
+    if not axes:
+        return profile.intra
+    shape = [sizes.get(a, 1) for a in MESH_AXES]
+    index = np.arange(math.prod(shape)).reshape(shape)
+    group = index[tuple(slice(None) if a in axes else 0 for a in MESH_AXES)].reshape(-1)
+    nodes = set((group // max(profile.node_size, 1)).tolist())
+    return profile.intra if len(nodes) == 1 else profile.inter
+
+
+def get_profile(name: str, num_devices: int | None = None, *,
+                refresh: bool = False) -> DeviceProfile:
+    """A preset by name, ``cpu`` (measured on this machine, cached), or a JSON file."""
+    if name in PRESETS:
+        return PRESETS[name]
+    if name == "cpu":
+        return cpu_profile(refresh=refresh)
+    path = Path(name)
+    if not path.is_file():
+        raise ConfigError(f"--device-profile {name!r}: not a preset ({', '.join(PRESETS)}, "
+                          "cpu) nor a JSON file; pass one of those")
+    return load_profile(path)
+
+
+def load_profile(path: Path) -> DeviceProfile:
+    """A profile from JSON: every field, or ``base`` (a preset) plus the ones to change."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"--device-profile {path}: cannot read it as JSON ({err})") from None
+    base_name = data.pop("base", None)
+    if base_name is not None and base_name not in PRESETS:
+        raise ConfigError(f"--device-profile {path}: base={base_name!r} is not a preset; "
+                          f"use one of {', '.join(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(DeviceProfile)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ConfigError(f"--device-profile {path}: unknown field {unknown[0]!r}; "
+                          f"fields: {', '.join(sorted(fields))}")
+    for key in ("intra", "inter"):
+        if key in data:
+            data[key] = Link(**data[key])
+    data.setdefault("name", path.stem)
+    data["source"] = str(path)
+    if base_name is not None:
+        return dataclasses.replace(PRESETS[base_name], **data)
+    missing = sorted(fields - set(data) - _DEFAULTED)
+    if missing:
+        raise ConfigError(f"--device-profile {path}: missing {', '.join(missing)}; give "
+                          "them or a \"base\" preset to start from")
+    return DeviceProfile(**data)
+
+
+_DEFAULTED = {f.name for f in dataclasses.fields(DeviceProfile)
+              if f.default is not dataclasses.MISSING}
+
+
+# --------------------------------------------------------------------------- CPU
+def cache_dir() -> Path:
+    """Where measurements and compiled figures are cached (``$SHARDLIB_CACHE``)."""
+    root = os.environ.get("SHARDLIB_CACHE") or Path.home() / ".cache" / "shardlib"
+    return Path(root)
+
+
+def cpu_profile(*, refresh: bool = False) -> DeviceProfile:
+    """This machine's simulated CPU devices, measured once and cached per device count,
+    core count and jax version."""
+    import jax
+
+    devices = jax.devices("cpu")
+    key = f"{len(devices)}dev-{os.cpu_count()}cpu-{platform.machine()}-jax{jax.__version__}"
+    path = cache_dir() / "cpu_profiles.json"
+    cached = _read_json(path)
+    if key in cached and not refresh:
+        return _profile_from_measurement(cached[key], len(devices))
+    measured = measure_cpu(devices)
+    cached[key] = measured
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cached, indent=1))
+    return _profile_from_measurement(measured, len(devices))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _profile_from_measurement(m: Mapping[str, float], num_devices: int) -> DeviceProfile:
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(num_devices, 1)
+    link = Link(m["bandwidth"], m["latency"])
+    return DeviceProfile("cpu", {"float32": m["peak_flops"]}, memory, num_devices, link, link,
+                         compute_efficiency=1.0, overlap=False, overlap_tax=0.0,
+                         native_reduce_scatter=False,
+                         source=f"measured on {num_devices} simulated CPU devices")
+
+
+def _best_time(fn, *args, reps: int = 5) -> float:
+    """Fastest of ``reps`` calls after one warm-up (the least disturbed by other load)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_cpu(devices: list, size: int = 384, gather_bytes: int = 2**21) -> dict[str, float]:
+    """Per-device matmul FLOP/s with every device busy at once; all-gather bandwidth and
+    per-hop latency between the simulated devices (bytes *sent* per device / time)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    n = len(devices)
+    mesh = Mesh(np.asarray(devices), ("d",))
+    spec = NamedSharding(mesh, PartitionSpec("d"))
+    a_nkk = jax.device_put(jnp.ones((n, size, size), jnp.float32), spec)
+    matmul = jax.jit(lambda a: jnp.einsum("nij,njk->nik", a, a), out_shardings=spec)
+    peak = 2 * size**3 / _best_time(matmul, a_nkk)
+    rows = gather_bytes // 4 // 256
+    x = jax.device_put(jnp.ones((n * rows, 256), jnp.float32), spec)
+    gather = jax.jit(jax.shard_map(lambda v: jax.lax.all_gather(v, "d", tiled=True) * 1.0,
+                                   mesh=mesh, in_specs=PartitionSpec("d"),
+                                   out_specs=PartitionSpec("d")))
+    sent = rows * 256 * 4 * (n - 1)  # (n-1)/n of the gathered output, per device
+    bandwidth = sent / _best_time(gather, x) if n > 1 else 1e12
+    tiny = jax.device_put(jnp.ones((n, 1), jnp.float32), spec)
+    chain = [_best_time(_psum_chain(mesh, k), tiny) for k in (1, 33)]
+    latency = max(chain[1] - chain[0], 0.0) / 32 / max(2 * (n - 1), 1)
+    return {"peak_flops": peak, "bandwidth": bandwidth, "latency": latency}
+
+
+def _psum_chain(mesh, count: int):
+    """``count`` dependent tiny all-reduces in one program (dispatch cost paid once)."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    def body(v):
+        for _ in range(count):  # unrolled: each waits for the one before
+            v = jax.lax.pcast(jax.lax.psum(v, "d") * 0.5, "d", to="varying")
+        return v
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec("d"),
+                                 out_specs=PartitionSpec("d")))

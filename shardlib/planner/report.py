@@ -1,0 +1,130 @@
+"""``shardlib plan`` output: a ranked table for a person, one JSON object for machines."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from shardlib.planner.search import Plan, Scored
+from shardlib.planner.space import Rejected
+from shardlib.reporting import format_bytes
+
+
+def train_command(plan: Plan, scored: Scored) -> str:
+    """The ``shardlib train`` command line that runs ``scored`` on this plan's config."""
+    cfg = plan.config
+    flags = [f"--model {cfg.model.name}", f"--devices {plan.num_devices}",
+             f"--batch-size {cfg.train.batch_size}", f"--seq-len {cfg.train.seq_len}",
+             scored.candidate.train_flags()]
+    if cfg.precision.policy != "fp32":
+        flags.append(f"--precision {cfg.precision.policy}")
+    return "shardlib train " + " ".join(flags)
+
+
+def scored_dict(s: Scored) -> dict[str, Any]:
+    c = s.candidate
+    return {
+        "mesh": c.sizes, "mesh_text": c.mesh_text, "remat": c.remat,
+        "microbatches": c.microbatches, "memory_bytes": s.figures.memory_bytes,
+        "memory_verdict": s.verdict, "comm_bytes": s.figures.comm_bytes,
+        "comm_bytes_per_axis": {k: v.bytes for k, v in s.figures.comm.items()},
+        "collectives_per_axis": {k: v.count for k, v in s.figures.comm.items()},
+        "predicted_step_s": s.estimate.step_s, "compute_s": s.estimate.compute_s,
+        "weights_comm_s": s.estimate.weights_comm_s,
+        "exposed_comm_s": s.estimate.exposed_comm_s, "flops_per_device": s.figures.flops,
+        "source": s.figures.source, "switch_bytes": s.switch_bytes, "note": s.note,
+        "train_flags": c.train_flags(),
+    }
+
+
+def rejected_dict(r: Rejected) -> dict[str, Any]:
+    c = r.candidate
+    return {"mesh": c.sizes, "mesh_text": c.mesh_text, "remat": c.remat,
+            "microbatches": c.microbatches, "reason": r.reason}
+
+
+def to_json(plan: Plan) -> dict[str, Any]:
+    """``candidates``: what fits, best first; then what is over budget and rejected."""
+    best = plan.best
+    return {
+        "model": plan.config.model.name, "devices": plan.num_devices,
+        "batch_size": plan.config.train.batch_size, "seq_len": plan.config.train.seq_len,
+        "precision": plan.config.precision.policy, "profile": plan.profile.to_dict(),
+        "memory_budget_bytes": plan.budget_bytes,
+        "pick": scored_dict(best) if best else None,
+        "train_command": train_command(plan, best) if best else None,
+        "candidates": [scored_dict(s) for s in plan.ranked],
+        "over_budget": [scored_dict(s) for s in plan.over_budget],
+        "rejected": [rejected_dict(r) for r in plan.rejected],
+        "compiles": plan.compiles, "elapsed_s": plan.elapsed_s, "notes": plan.notes,
+    }
+
+
+def _seconds(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:,.0f} us"
+    return f"{s * 1e3:,.1f} ms" if s < 10 else f"{s:,.2f} s"
+
+
+def _comm_cell(s: Scored) -> str:
+    parts = [f"{k} {format_bytes(v.bytes)}" for k, v in sorted(s.figures.comm.items()) if v.bytes]
+    return ", ".join(parts) or "-"
+
+
+def candidate_table(plan: Plan, top: int) -> Table:
+    table = Table(title=f"Best {min(top, len(plan.ranked))} of {len(plan.ranked)} candidates "
+                  f"that fit {format_bytes(plan.budget_bytes)} per device",
+                  title_justify="left")
+    switch = any(s.switch_bytes is not None for s in plan.ranked)
+    names = ["#", "mesh", "remat", "mb", "memory/device", "comm per step by axis", "compute",
+             "step (pred.)", "figures"] + (["reshard from --from-mesh"] if switch else [])
+    for name in names:
+        table.add_column(name, justify="right" if name in ("#", "mb", "compute",
+                                                           "step (pred.)") else "left")
+    for rank, s in enumerate(plan.ranked[:top], start=1):
+        c = s.candidate
+        row = [str(rank), c.mesh_text, c.remat, str(c.microbatches),
+               format_bytes(s.figures.memory_bytes) + ("?" if s.verdict == "borderline" else ""),
+               _comm_cell(s), _seconds(s.estimate.compute_s), _seconds(s.estimate.step_s),
+               s.figures.source]
+        table.add_row(*row, *([format_bytes(s.switch_bytes or 0)] if switch else []))
+    return table
+
+
+def render(plan: Plan, top: int = 10, console: Console | None = None) -> None:
+    """The ranked table, why the others were dropped, and the winner's train command."""
+    console = console or Console(width=140)
+    p = plan.profile
+    console.print(f"[bold]plan[/bold] {plan.config.model.name}: {plan.num_devices} x "
+                  f"{p.name} ({p.source}), batch {plan.config.train.batch_size} x "
+                  f"{plan.config.train.seq_len}, {plan.config.precision.policy}; "
+                  f"{len(plan.ranked) + len(plan.over_budget) + len(plan.rejected)} candidates,"
+                  f" {plan.compiles} compiled, {plan.elapsed_s:.1f} s")
+    console.print(candidate_table(plan, top))
+    if plan.over_budget:
+        worst = min(plan.over_budget, key=lambda s: s.figures.memory_bytes)
+        console.print(f"over the memory budget: {len(plan.over_budget)} (smallest: "
+                      f"{worst.candidate.key} needs {format_bytes(worst.figures.memory_bytes)}"
+                      f", {worst.figures.source})")
+    compiled = [s for s in [*plan.ranked, *plan.over_budget] if s.compiled]
+    if compiled:
+        console.print("compiled: " + ", ".join(
+            f"{s.candidate.key} ({format_bytes(s.figures.memory_bytes)}, "
+            f"{'fits' if s.fits else 'over budget'})" for s in compiled))
+    for reason, count in Counter(r.reason for r in plan.rejected).most_common(8):
+        console.print(f"rejected {count:>4}: {reason}")
+    if any(s.verdict == "borderline" for s in plan.ranked[:top]):
+        console.print("?: memory estimate within the margin of the budget and not compiled "
+                      "(raise --compile-top / --compile-budget to check it)")
+    for note in plan.notes:
+        console.print(f"note: {note}")
+    if plan.best is None:
+        console.print("[red]no candidate fits the memory budget[/red]: raise --memory-budget, "
+                      "use more devices or a smaller batch")
+        return
+    console.print(f"pick: {plan.best.candidate.key}, predicted "
+                  f"{_seconds(plan.best.estimate.step_s)} per step")
+    console.print(train_command(plan, plan.best))

@@ -1,0 +1,168 @@
+"""Benchmarks, MFU and observability: the benchmark code paths on a tiny model write
+well-formed CSV/Markdown/PNG, TensorBoard scalars read back equal the run's own metrics,
+``--profile-steps`` writes a trace. No timing assertions."""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from shardlib import observe
+from shardlib.analysis.mfu import Peak, peak_flops, published_peak_flops
+from shardlib.cli import build_parser, config_from_args
+from shardlib.config import Config, MeshConfig, TrainConfig
+from shardlib.errors import ConfigError
+from shardlib.models import get_preset
+from shardlib.train.loop import train
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "experiments"))
+import bench  # noqa: E402
+import bench_profile  # noqa: E402
+import bench_report  # noqa: E402
+
+
+@dataclass
+class FakeDevice:
+    device_kind: str
+    platform: str = "gpu"
+
+
+def test_published_peaks_match_device_kinds():
+    assert published_peak_flops(FakeDevice("NVIDIA H100 80GB HBM3")) == 989e12
+    assert published_peak_flops(FakeDevice("NVIDIA H100 PCIe")) == 756e12
+    assert published_peak_flops(FakeDevice("NVIDIA H200")) == 989e12
+    assert published_peak_flops(FakeDevice("NVIDIA A100-SXM4-80GB")) == 312e12
+    assert published_peak_flops(FakeDevice("TPU v4")) == 275e12
+    assert published_peak_flops(FakeDevice("TPU v5 lite")) == 197e12
+    assert published_peak_flops(FakeDevice("TPU v5p")) == 459e12
+    assert published_peak_flops(FakeDevice("cpu", "cpu")) is None
+    peak = peak_flops([FakeDevice("NVIDIA H100 80GB HBM3")] * 8)
+    assert peak.flops_per_sec == 8 * 989e12 and "8 x NVIDIA H100" in peak.source
+    assert Peak(100.0, "x").mfu(model_flops_per_step=50.0, step_time_s=2.0) == 0.25
+
+
+@pytest.mark.parametrize("spec,x_shape,w_shape", [
+    ("btd,df->btf", (2, 8, 16), (16, 64)),  # g larger than x: the x-first weight gradient
+    ("btf,fd->btd", (2, 8, 64), (64, 16)),  # x larger than g: autodiff's form
+    ("btd,cdhk->cbthk", (2, 8, 16), (3, 16, 4, 4)),
+    ("bthk,hkd->btd", (2, 8, 4, 4), (4, 4, 16)),
+])
+def test_linear_has_autodiffs_gradients(spec, x_shape, w_shape):
+    """``layers.linear`` (the CPU-friendly weight gradient) against plain einsum autodiff."""
+    from shardlib.models.layers import linear
+
+    kx, kw, kr = jax.random.split(jax.random.key(0), 3)
+    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
+    r = jax.random.normal(kr, jnp.einsum(spec, x, w).shape)
+    grads = jax.grad(lambda x, w: jnp.sum(linear(spec, x, w) * r), argnums=(0, 1))(x, w)
+    expected = jax.grad(lambda x, w: jnp.sum(jnp.einsum(spec, x, w) * r), argnums=(0, 1))(x, w)
+    for got, want in zip(grads, expected, strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert jnp.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert jnp.array_equal(linear(spec, x, w), jnp.einsum(spec, x, w))
+
+
+def test_profile_steps_are_parsed_and_checked():
+    assert observe.parse_profile_steps("") is None
+    assert observe.parse_profile_steps("3:5") == (3, 5)
+    assert observe.parse_profile_steps("4") == (4, 4)
+    for bad in ("5:2", "0:3", "a:b", "2:"):
+        with pytest.raises(ConfigError, match="--profile-steps"):
+            observe.parse_profile_steps(bad)
+    args = build_parser().parse_args(["train", "--model", "tiny", "--tensorboard-dir", "tb",
+                                      "--profile-steps", "2:3"])
+    tc = config_from_args(args).train
+    assert (tc.tensorboard_dir, tc.profile_steps, observe.profile_dir(tc)) == ("tb", "2:3", "tb")
+
+
+def test_op_kinds_classify_compiled_hlo():
+    a_nn = jnp.ones((64, 64))
+    compiled = jax.jit(lambda a: jnp.tanh(a @ a) * 2.0).lower(a_nn).compile()
+    kinds = bench_profile.op_kinds(compiled.as_text())
+    assert "matmul" in kinds.values()
+    assert set(kinds.values()) <= set(bench_profile.KINDS)
+
+
+def test_tensorboard_scalars_profile_trace_and_summary(tmp_path):
+    """A 4-step run: every tag read back from the event file equals the run's metrics."""
+    config = Config(mesh=MeshConfig(data=8), model=get_preset("tiny"),
+                    train=TrainConfig(steps=4, batch_size=8, seq_len=32, data="synthetic",
+                                      log_every=1, eval_every=2, sample_tokens=0,
+                                      tensorboard_dir=str(tmp_path / "tb"),
+                                      profile_steps="2:3"))
+    result = train(config)
+    scalars = observe.read_scalars(str(tmp_path / "tb"))
+    assert set(observe.SCALAR_TAGS.values()) <= set(scalars)
+    by_step = {row["step"]: row for row in result.history}
+    for key, tag in observe.SCALAR_TAGS.items():
+        for step, value in scalars[tag]:
+            assert value == pytest.approx(by_step[step][key], rel=1e-6, abs=1e-12), (tag, step)
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3, 4]
+    assert [s for s, _ in scalars["eval/loss"]] == [2, 4]
+    summary = result.summary
+    assert 0 < summary["mfu"] < 1.5 and summary["peak_memory_bytes"] > 0
+    expected_mfu = (result.history[0]["mfu"] * result.history[0]["step_time_s"]
+                    / summary["step_time_s"])  # same FLOPs and peak, other step time
+    assert summary["mfu"] == pytest.approx(expected_mfu, rel=1e-9)
+    trace = Path(summary["profile_trace"])
+    assert list(trace.glob("*.xplane.pb")) and (trace / "perfetto_trace.json.gz").exists()
+    assert trace.is_relative_to(tmp_path / "tb" / "plugins" / "profile")
+
+
+@pytest.fixture(scope="module")
+def bench_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    args = bench.parse_args(["--quick", "--rounds", "1", "--steps-per-round", "1",
+                             "--batch-size", "8", "--seq-len", "32", "--strategies", "fsdp",
+                             "--depth", "1,2", "--peak-n", "256", "--out", str(out)])
+    devices = jax.devices()
+    results = {1: bench.run_worker(args, devices[:1])}  # with the hand-written step
+    args.profile, args.depth = False, ""
+    results[8] = bench.run_worker(args, devices)
+    bench_report.write_all(results, args)
+    return results, out
+
+
+def test_bench_rows_measure_both_steps_of_the_same_model(bench_results):
+    results, _ = bench_results
+    assert [r["strategy"] for r in results[1]["rows"]] == ["single"]
+    assert [r["strategy"] for r in results[8]["rows"]] == ["fsdp"]
+    for result in results.values():
+        for row in result["rows"]:
+            assert row["step_time_s"] > 0 and math.isfinite(row["mfu"]) and row["mfu"] > 0
+            assert row["tokens_per_sec"] == pytest.approx(8 * 32 / row["step_time_s"])
+            assert row["memory_bytes_per_device"] > 0
+    single, fsdp = results[1]["rows"][0], results[8]["rows"][0]
+    assert single["first_loss"] == pytest.approx(single["hand_first_loss"], rel=1e-5)
+    assert fsdp["first_loss"] == pytest.approx(single["hand_first_loss"], rel=1e-5)
+    assert "hand_mfu" in single and "hand_mfu" not in fsdp
+    shares = results[1]["rows"][0]["profile_lib"]["shares"]
+    assert sum(shares.values()) == pytest.approx(1.0) and shares["matmul"] > 0
+    assert results[1]["depth"]["deep_layers"] == 2 and results[1]["depth"]["ratio"] > 0
+
+
+def test_bench_writes_wellformed_csv_markdown_png(bench_results):
+    _, out = bench_results
+    with (out / "bench.csv").open() as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == bench_report.CSV_FIELDS
+        rows = list(reader)
+    assert [(r["devices"], r["strategy"]) for r in rows] == [("1", "single"), ("8", "fsdp")]
+    for row in rows:
+        for field in ("step_time_s", "tokens_per_sec", "mfu", "compile_s", "peak_flops"):
+            assert float(row[field]) > 0, field
+    text = (out / "bench.md").read_text()
+    table = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len(table) == 1 + len(rows)  # header + one line per row
+    assert all(line.count("|") == table[0].count("|") for line in table)
+    assert "Goals:" in text and "Compile time with scan over layers" in text
+    assert "jax " + jax.__version__ in text
+    pytest.importorskip("matplotlib")
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

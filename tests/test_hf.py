@@ -1,0 +1,192 @@
+"""Hugging Face GPT-2 and Llama checkpoints: logits equal to the PyTorch model's on one
+device and on fsdp=4,tensor=2, save -> transformers round trip, fine-tuning through
+``train.init_from`` and ``export --format hf``, and clear errors for bad checkpoints.
+Skipped when transformers or torch are missing (they are in the ``dev`` extra)."""
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from shardlib import data as data_lib  # noqa: E402
+from shardlib.cli import build_parser, config_from_args, main  # noqa: E402
+from shardlib.config import CheckpointConfig, Config, MeshConfig, TrainConfig  # noqa: E402
+from shardlib.errors import CheckpointError, ConfigError  # noqa: E402
+from shardlib.models import hf  # noqa: E402
+from shardlib.sharding import activation_rules  # noqa: E402
+from shardlib.train.loop import train  # noqa: E402
+from shardlib.train.state import build_setup  # noqa: E402
+
+TOL = 1e-4  # max |logit difference|; logits are O(1-10) with initializer_range 0.2
+TOKENS = np.random.default_rng(0).integers(0, 256, (8, 32)).astype(np.int32)
+
+
+def tiny_hf(kind: str):
+    """A random transformers model: 2 layers, d 64, vocab 256; Llama with GQA (4 q heads,
+    2 K/V heads), untied head and biases; large init so logits are O(1)."""
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256,
+                                      n_positions=64, initializer_range=0.2)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
+            initializer_range=0.2, attention_bias=True, mlp_bias=True)
+        model = transformers.LlamaForCausalLM(cfg)
+        with torch.no_grad():  # biases start at zero: make them matter
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.2)
+    return model.eval()
+
+
+def torch_logits(model, tokens: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{kind: (directory, reference logits)}; Llama is saved as 4 shards with an index."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for kind in ("gpt2", "llama"):
+        model = tiny_hf(kind)
+        model.save_pretrained(root / kind, max_shard_size="150KB")
+        out[kind] = (root / kind, torch_logits(model, TOKENS))
+    assert (root / "llama" / "model.safetensors.index.json").is_file()
+    return out
+
+
+def config_for(path: Path, mesh: MeshConfig, **train_changes) -> Config:
+    return Config(mesh=mesh, model=hf.load_config(path), train=TrainConfig(
+        batch_size=8, seq_len=32, data="synthetic", eval_every=0, sample_tokens=0,
+        **train_changes))
+
+
+def sharded_logits(setup, params: nnx.State, tokens: np.ndarray) -> np.ndarray:
+    """The forward pass as training runs it: jitted, activations pinned by the rules."""
+    def forward(params: nnx.State, tokens_bt: jax.Array) -> jax.Array:
+        with activation_rules(setup.mesh, setup.rules):
+            return nnx.merge(setup.graphdef, params)(tokens_bt)
+
+    return np.asarray(jax.jit(forward)(params, jax.device_put(tokens, setup.batch_sharding)))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_one_device_logits_and_round_trip(saved, kind, tmp_path):
+    path, reference = saved[kind]
+    model = hf.from_pretrained(path)
+    assert len(model.embed.w_vd.get_value().devices()) == 1
+    forward = nnx.jit(lambda m, x: m(x))
+    np.testing.assert_allclose(np.asarray(forward(model, TOKENS)), reference, rtol=0, atol=TOL)
+    # Round trip on changed weights: shardlib -> save_pretrained -> transformers.
+    rng = np.random.default_rng(1)
+    nnx.update(model, jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape, np.float32),
+                                   nnx.state(model, nnx.Param)))
+    hf.save_pretrained(model, tmp_path / "out")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(loaded).__name__ == hf.to_hf_config(model.cfg)["architectures"][0]
+    ours = np.asarray(forward(model, TOKENS))
+    assert np.abs(ours - reference).max() > 100 * TOL  # the change is visible
+    np.testing.assert_allclose(torch_logits(loaded, TOKENS), ours, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_sharded_logits_fsdp4_tensor2(saved, kind):
+    path, reference = saved[kind]
+    setup = build_setup(config_for(path, MeshConfig(data=1, fsdp=4, tensor=2)))
+    params = hf.load_params(path, setup.config.model, setup.abstract_params,
+                            setup.state_shardings.params)
+    w_q = params["blocks"]["attn"]["w_q_dhk"].get_value()  # (L, d, H, K) over fsdp x tensor
+    assert w_q.sharding == setup.state_shardings.params["blocks"]["attn"]["w_q_dhk"].get_value()
+    assert {s.data.shape for s in w_q.addressable_shards} == {(2, 16, 2, 16)}
+    logits = sharded_logits(setup, params, TOKENS)
+    np.testing.assert_allclose(logits, reference, rtol=0, atol=TOL)
+
+
+def test_per_layer_storage_loads_the_same(saved):
+    """scan_layers=false keeps layers apart (``blocks.0.attn...``): same numbers."""
+    path, _ = saved["llama"]
+    cfg = hf.load_config(path)
+    stacked = hf.from_pretrained(path)
+    config = Config(mesh=MeshConfig(data=1), model=dataclasses.replace(cfg, scan_layers=False))
+    setup = build_setup(config, jax.devices()[:1])
+    params = hf.load_params(path, config.model, setup.abstract_params,
+                            setup.state_shardings.params)
+    for i in range(cfg.num_layers):
+        np.testing.assert_array_equal(params["blocks"][i]["mlp"]["w_gate_df"].get_value(),
+                                      stacked.blocks.mlp.w_gate_df.get_value()[i])
+
+
+def test_finetune_init_from_then_export_hf(saved, tmp_path):
+    """train.init_from starts from the HF weights (first loss = PyTorch's loss on the same
+    batch); export --format hf of the checkpoint loads in transformers with the trained
+    model's logits. One device: the meshes are covered above, and it compiles fastest."""
+    path, _ = saved["llama"]
+    args = build_parser().parse_args(["train", "--init-from", str(path), "--mesh",
+                                      "fsdp=4,tensor=2", "--set", "train.seq_len=32"])
+    assert config_from_args(args).model == hf.load_config(path)
+    config = config_for(path, MeshConfig(data=1), steps=1, init_from=str(path))
+    config = dataclasses.replace(config, checkpoint=CheckpointConfig(dir=str(tmp_path / "c"),
+                                                                     every=0))
+    result = train(config, devices=jax.devices()[:1])
+    batches, _ = data_lib.make_batches("synthetic", 8, 32, 0)
+    batch = batches.rows(0)
+    expected = torch.nn.functional.cross_entropy(
+        torch.tensor(torch_logits(tiny_hf("llama"), batch[:, :-1])).reshape(-1, 256),
+        torch.tensor(batch[:, 1:], dtype=torch.long).reshape(-1))
+    assert result.history[0]["loss"] == pytest.approx(float(expected), rel=1e-5)
+    assert main(["export", "--format", "hf", "--checkpoint-dir", str(tmp_path / "c"),
+                 "--out", str(tmp_path / "hf")]) == 0
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours = sharded_logits(result.setup, result.state.params, TOKENS)
+    np.testing.assert_allclose(torch_logits(loaded, TOKENS), ours, rtol=0, atol=TOL)
+
+
+def copy_without(src: Path, dst: Path, drop: str = "", reshape: str = "") -> Path:
+    """``src`` rewritten as one safetensors file minus tensor ``drop``, or with ``reshape``
+    cut to half its first dim."""
+    from safetensors.numpy import load_file, save_file
+
+    files = sorted(src.glob("*.safetensors"))
+    tensors = {k: v for f in files for k, v in load_file(f).items() if k != drop}
+    if reshape:
+        tensors[reshape] = tensors[reshape][: tensors[reshape].shape[0] // 2]
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_errors_name_the_problem(saved, tmp_path):
+    gpt2, _ = saved["gpt2"]
+    missing = copy_without(gpt2, tmp_path / "missing", drop="transformer.h.1.mlp.c_fc.bias")
+    with pytest.raises(CheckpointError, match=r"tensor transformer\.h\.1\.mlp\.c_fc\.bias is "
+                       "missing"):
+        hf.from_pretrained(missing)
+    bad = copy_without(gpt2, tmp_path / "bad", reshape="transformer.h.0.attn.c_attn.weight")
+    with pytest.raises(CheckpointError, match=r"transformer\.h\.0\.attn\.c_attn\.weight: shape "
+                       r"\(32, 192\) in model\.safetensors, but config\.json implies \(64, 192\)"):
+        hf.from_pretrained(bad)
+    config = json.loads((gpt2 / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "model_type": "bert",
+                                                 "architectures": ["BertForMaskedLM"]}))
+    with pytest.raises(ConfigError, match=r"model_type 'bert' \(BertForMaskedLM\) is not "
+                       "supported; shardlib reads and writes gpt2 .*, llama"):
+        hf.from_pretrained(bad)
+    with pytest.raises(ConfigError, match=r"model\.d_model=64 there, 256 here"):
+        train(Config(train=TrainConfig(init_from=str(gpt2), steps=1, batch_size=8,
+                                       seq_len=32, data="synthetic")), devices=jax.devices()[:1])
+    with pytest.raises(ConfigError, match="neither GPT-2 .* nor Llama"):
+        hf.to_hf_config(Config().model)

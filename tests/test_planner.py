@@ -1,0 +1,283 @@
+"""The planner: search space and rejection reasons, memory verdicts against compiled
+memory, cost-model monotonicity, device profiles, reshard, ``--mesh auto`` and the
+``shardlib plan --json`` contract."""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from shardlib.analysis.hlo import comm_bytes_per_device, parse_collectives
+from shardlib.config import Config, TrainConfig, parse_mesh
+from shardlib.errors import ConfigError, ShardingError, ShardlibError
+from shardlib.mesh import MESH_AXES, make_mesh
+from shardlib.models import count_params, get_preset
+from shardlib.planner import cost, profiles, search, space
+from shardlib.planner.cli import parse_bytes, parse_pinned
+from shardlib.planner.resolve import resolve_auto
+from shardlib.reshard import reshard, reshard_cost, spec_move_bytes
+from shardlib.train.state import build_setup, mesh_degrees
+
+TINY = Config(model=get_preset("tiny"), train=TrainConfig(batch_size=8, seq_len=32,
+                                                           data="synthetic"))
+H100 = profiles.PRESETS["h100"]
+
+
+def cand(remat: str = "none", mb: int = 1, **sizes: int) -> space.Candidate:
+    return space.Candidate(tuple((a, sizes.get(a, 1)) for a in MESH_AXES), remat, mb)
+
+
+# --------------------------------------------------------------------------- space
+def test_factorizations_are_every_mesh_once():
+    meshes = space.factorizations(8, ("data", "fsdp", "sequence", "tensor"))
+    assert len(meshes) == 20  # compositions of 2^3 over 4 axes: C(3 + 3, 3)
+    assert all(math.prod(m.values()) == 8 for m in meshes)
+    assert len({tuple(m.values()) for m in meshes}) == 20
+
+
+def test_enumeration_agrees_with_the_library_and_names_reasons():
+    """A candidate is valid exactly when build_setup accepts it (tiny: 4 heads)."""
+    valid, rejected = space.enumerate_space(TINY, 8, remats=("none",), microbatches=(1, 4))
+    assert len(valid) + len(rejected) == 40
+    reasons = {r.candidate.key: r.reason for r in rejected}
+    assert reasons["tensor=8/remat=none/mb=1"] == "tensor=8 does not divide heads=4"
+    assert reasons["data=8/remat=none/mb=4"] == \
+        "data x fsdp=8 does not divide the microbatch 8/4=2"
+    checked = [(c, True) for c in valid] + [(r.candidate, False) for r in rejected]
+    for c, ok in [(c, ok) for c, ok in checked if c.microbatches == 1 or
+                  c.mesh_text in ("data=8", "data=2,fsdp=2,tensor=2")]:
+        try:
+            build_setup(c.apply(TINY), jax.devices())
+            accepted = True
+        except ShardlibError:
+            accepted = False
+        assert accepted == ok, c.key
+
+
+def test_pinned_axes_stay_fixed():
+    valid, _ = space.enumerate_space(TINY, 8, remats=("none",), microbatches=(1,),
+                                     pinned={"tensor": 2})
+    assert valid and all(c.sizes["tensor"] == 2 for c in valid)
+    assert parse_pinned("tensor=2") == {"tensor": 2}
+    with pytest.raises(ConfigError, match="AXIS=N"):
+        parse_pinned("tensor=-1")
+
+
+# --------------------------------------------------------------------------- memory
+BATCH_MESHES = [cand(data=8), cand(data=4, fsdp=2), cand(data=2, fsdp=4), cand(fsdp=8)]
+
+
+@pytest.fixture(scope="module")
+def compiled_tiny():
+    """Compiled figures of a few tiny candidates (planning compile options)."""
+    cache = search.CompileCache(persist=False)
+    steps = {c: cache.step(TINY, c, jax.devices())[0] for c in BATCH_MESHES}
+    return cache, {c: search.compiled_figures(s, TINY, c, H100) for c, s in steps.items()}
+
+
+def test_analytic_memory_is_within_the_verdict_margin(compiled_tiny):
+    """The verdict band rests on this: the estimate is within MEMORY_MARGIN of XLA's."""
+    _, figures = compiled_tiny
+    for c, fig in figures.items():
+        estimate = cost.analytic_memory(TINY, c, 4, 4)
+        assert abs(estimate / fig.memory_bytes - 1) <= search.MEMORY_MARGIN, \
+            (c.key, estimate, fig.memory_bytes)
+
+
+def test_memory_verdicts_match_compiled_memory(compiled_tiny):
+    """With a budget between the candidates' compiled peaks, every verdict the planner
+    gives (analytic ones included) agrees with the compiled memory."""
+    cache, figures = compiled_tiny
+    peaks = sorted(figures[c].memory_bytes for c in BATCH_MESHES)
+    budget = (peaks[1] + peaks[2]) // 2
+    result = search.plan(TINY, 8, H100, budget_bytes=budget, remats=("none",),
+                         microbatches=(1,), compile_top=0, cache=cache,
+                         pinned={"sequence": 1, "tensor": 1})
+    seen = {s.candidate: s for s in [*result.ranked, *result.over_budget]}
+    assert set(seen) == set(BATCH_MESHES)
+    for c in BATCH_MESHES:
+        truth = figures[c].memory_bytes <= budget
+        assert seen[c].fits == truth, (c.key, seen[c].verdict, figures[c].memory_bytes, budget)
+    assert all(s.fits for s in result.ranked) and not any(s.fits for s in result.over_budget)
+
+
+def test_compiled_figures_match_the_theory_for_data_parallel(compiled_tiny):
+    """data=8: the gradient all-reduce the HLO shows is the theory's 2 (n-1)/n P."""
+    _, figures = compiled_tiny
+    params = count_params(TINY.model) * 4
+    assert figures[cand(data=8)].comm["data"].bytes == pytest.approx(2 * 7 / 8 * params,
+                                                                     rel=0.01)
+
+
+# --------------------------------------------------------------------------- cost
+def _figures(flops: float, **comm: int) -> cost.Figures:
+    return cost.Figures(flops, {k: cost.AxisComm(v, 1, 1) for k, v in comm.items()}, 0,
+                        "analytic")
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_step_time_grows_with_flops_and_bytes(overlap):
+    prof = dataclasses.replace(H100, overlap=overlap)
+    c = cand(data=2, fsdp=2, tensor=2)
+    step = lambda f: cost.predict(f, c, prof, "float32").step_s
+    base = _figures(1e12, fsdp=10**9, tensor=10**8)
+    assert step(_figures(2e12, fsdp=10**9, tensor=10**8)) > step(base)
+    assert step(_figures(1e12, fsdp=10**9, tensor=10**9)) > step(base)
+    assert step(_figures(1e12, fsdp=10**10, tensor=10**8)) > step(base)
+    fast = dataclasses.replace(prof, intra=profiles.Link(prof.intra.bandwidth * 2,
+                                                         prof.intra.latency))
+    assert cost.predict(base, c, fast, "float32").step_s < step(base)
+    est = cost.predict(base, c, prof, "float32")
+    assert est.step_s >= max(est.compute_s, est.weights_comm_s) + est.exposed_comm_s
+
+
+def test_overlap_hides_weight_traffic_not_tensor_traffic():
+    c = cand(data=2, fsdp=2, tensor=2)
+    serial = dataclasses.replace(H100, overlap=False)
+    weights = _figures(1e13, fsdp=10**9)
+    tensor = _figures(1e13, tensor=10**9)
+    assert cost.predict(weights, c, H100, "float32").step_s < \
+        cost.predict(weights, c, serial, "float32").step_s
+    assert cost.predict(tensor, c, H100, "float32").step_s == pytest.approx(
+        cost.predict(tensor, c, serial, "float32").step_s)
+
+
+def test_flops_and_comm_follow_remat_and_microbatches():
+    f = {r: cost.flops_per_device(TINY, cand(r, data=8)) for r in ("none", "dots", "full")}
+    assert f["none"] < f["dots"] < f["full"]
+    assert cost.flops_per_device(TINY, cand(data=4, fsdp=2)) == f["none"]
+    one = cost.analytic_comm(TINY, cand(fsdp=4, tensor=2), H100)
+    two = cost.analytic_comm(TINY, cand(mb=2, fsdp=4, tensor=2), H100)
+    assert two["fsdp"].bytes == pytest.approx(2 * one["fsdp"].bytes, rel=1e-6)
+    assert two["tensor"].bytes == pytest.approx(one["tensor"].bytes, rel=0.01)
+
+
+def test_links_follow_the_mesh_layout():
+    sizes = {"data": 32, "fsdp": 8}
+    assert profiles.link_for(H100, sizes, ("fsdp",)) == H100.intra
+    assert profiles.link_for(H100, sizes, ("data",)) == H100.inter
+    assert profiles.link_for(H100, {"fsdp": 16}, ("fsdp",)) == H100.inter
+    assert profiles.link_for(H100, {"fsdp": 32, "tensor": 8}, ("tensor",)) == H100.intra
+    assert profiles.link_for(H100, {"data": 2, "fsdp": 2, "tensor": 2}, ("data",)) == H100.intra
+
+
+# --------------------------------------------------------------------------- profiles
+def test_cpu_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDLIB_CACHE", str(tmp_path))
+    first = profiles.cpu_profile()
+    assert first.flops("float32") > 1e6 and first.intra.bandwidth > 1e6
+    assert first.intra.latency >= 0 and not first.overlap
+    monkeypatch.setattr(profiles, "measure_cpu", lambda *a, **k: pytest.fail("re-measured"))
+    assert profiles.cpu_profile() == first
+
+
+def test_profile_file_overrides_a_preset(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"base": "h100", "memory_bytes": 40 * 2**30,
+                                "inter": {"bandwidth": 25e9, "latency": 1e-5}}))
+    mine = profiles.get_profile(str(path))
+    assert mine.memory_bytes == 40 * 2**30 and mine.inter.bandwidth == 25e9
+    assert mine.peak_flops == H100.peak_flops and mine.name == "mine"
+    path.write_text(json.dumps({"base": "h100", "hbm": 1}))
+    with pytest.raises(ConfigError, match="unknown field 'hbm'"):
+        profiles.get_profile(str(path))
+    with pytest.raises(ConfigError, match="not a preset"):
+        profiles.get_profile("a100")
+
+
+def test_parse_bytes():
+    assert parse_bytes("16GiB") == 16 * 2**30 and parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("1000") == 1000
+    with pytest.raises(ConfigError, match="--memory-budget"):
+        parse_bytes("lots")
+
+
+# --------------------------------------------------------------------------- reshard
+MOVES = [  # (mesh, source spec, target spec, collective XLA uses)
+    ({"fsdp": 8}, PartitionSpec("fsdp", None), PartitionSpec(), "all-gather"),
+    ({"data": 2, "tensor": 4}, PartitionSpec(None, "tensor"), PartitionSpec("tensor", None),
+     "all-to-all"),
+    ({"fsdp": 8}, PartitionSpec(), PartitionSpec(None, "fsdp"), None),
+]
+
+
+@pytest.mark.parametrize("sizes, src, dst, kind", MOVES)
+def test_reshard_keeps_values_and_its_estimate_matches_the_hlo(sizes, src, dst, kind):
+    mesh = make_mesh(sizes)
+    x = jax.device_put(np.arange(64 * 32, dtype=np.float32).reshape(64, 32),
+                       NamedSharding(mesh, src))
+    target = NamedSharding(mesh, dst)
+    logged: list[str] = []
+    y = reshard({"w": x}, {"w": target}, log=logged.append)["w"]
+    assert y.sharding == target
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+    estimate = reshard_cost({"w": x}, target)
+    hlo = jax.jit(lambda v: v, out_shardings=target).lower(x).compile().as_text()
+    collectives = parse_collectives(hlo, mesh)
+    assert estimate.bytes_per_device == comm_bytes_per_device(collectives)
+    assert [c.kind for c in collectives] == ([kind] if kind else [])
+    assert estimate.moves[0].kind == (kind or "slice")
+    assert logged and "per device" in logged[0]
+    assert spec_move_bytes(x.shape, 4, src, sizes, dst, sizes) == estimate.bytes_per_device
+
+
+def test_reshard_rejects_a_mismatched_target():
+    mesh = make_mesh({"data": 8})
+    x = jax.device_put(np.zeros((8, 4), np.float32), NamedSharding(mesh, PartitionSpec()))
+    with pytest.raises(ShardingError, match="2 arrays"):
+        reshard_cost({"a": x, "b": x}, [NamedSharding(mesh, PartitionSpec())])
+
+
+def test_switching_from_fsdp_to_data_gathers_the_whole_state():
+    from shardlib.planner.switch import switch_bytes
+
+    fsdp = {a: 8 if a == "fsdp" else 1 for a in MESH_AXES}
+    data = {a: 8 if a == "data" else 1 for a in MESH_AXES}
+    assert switch_bytes(TINY, data, fsdp) == 0  # replicated -> split: slice locally
+    expected = 3 * 4 * count_params(TINY.model) * 7 / 8  # params + 2 moments, fp32
+    assert switch_bytes(TINY, fsdp, data) == pytest.approx(expected, rel=1e-6)
+
+
+# --------------------------------------------------------------------------- auto / CLI
+def test_mesh_auto_resolves_to_a_concrete_mesh():
+    auto = dataclasses.replace(TINY, mesh=parse_mesh("auto"))
+    assert auto.mesh.auto
+    with pytest.raises(ConfigError, match="resolve_auto"):
+        mesh_degrees(auto, 8)
+    logged: list[str] = []
+    resolved = resolve_auto(auto, jax.devices(), profile=H100, compile_top=0,
+                            log=logged.append)
+    assert not resolved.mesh.auto and "mesh auto: picked" in logged[0]
+    setup = build_setup(resolved, jax.devices())
+    assert math.prod(setup.mesh.shape.values()) == 8
+    assert resolve_auto(TINY) is TINY
+
+
+def test_plan_json_contract(tmp_path):
+    env = {**os.environ, "SHARDLIB_CACHE": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run(
+        [sys.executable, "-m", "shardlib", "plan", "--model", "tiny", "--devices", "8",
+         "--batch-size", "8", "--seq-len", "32", "--device-profile", "h100",
+         "--memory-budget", "1GiB", "--compile-top", "0", "--remat", "none", "--json"],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    cands = out["candidates"]
+    assert cands and out["pick"] == cands[0]
+    for c in cands:
+        assert set(c) >= {"mesh", "memory_bytes", "comm_bytes", "predicted_step_s"}
+        assert math.prod(c["mesh"].values()) == 8
+    times = [c["predicted_step_s"] for c in cands]
+    assert times == sorted(times)
+    assert all(c["source"] == "analytic" for c in cands)  # --compile-top 0, none borderline
+    assert any("heads=4" in r["reason"] for r in out["rejected"])
+    assert f"--mesh {cands[0]['mesh_text']}" in out["train_command"]
+    assert parse_mesh(cands[0]["mesh_text"]).degrees() == {
+        a: cands[0]["mesh"].get(a, 1) for a in MESH_AXES}
