@@ -109,9 +109,10 @@ def measure_strategy(args, name: str, devices, peak_timer, published_peak) -> di
         lib_s.append(time_steps(lib, args.steps_per_round))
         if hand is not None:
             hand_s.append(time_steps(hand, args.steps_per_round))
-    flops = model_flops_per_token(config) * args.batch_size * args.seq_len
+    tokens = config.train.batch_size * config.train.seq_len
+    flops = model_flops_per_token(config) * tokens
     row.update(step_time_s=float(np.median(lib_s)), step_time_min_s=min(lib_s),
-               tokens_per_sec=args.batch_size * args.seq_len / float(np.median(lib_s)),
+               tokens_per_sec=tokens / float(np.median(lib_s)),
                model_flops_per_step=flops, peak_flops=float(np.median(peaks)),
                mfu=float(np.median([flops / t / p for t, p in zip(lib_s, peaks, strict=True)])))
     if hand is not None:
@@ -138,19 +139,19 @@ def profile_breakdown(lib, hand) -> dict:
 
 
 def compile_vs_depth(args, devices) -> dict:
-    """AOT compile time of the train step at two depths (scan over layers)."""
+    """AOT compile time of the train step at two depths (scan over layers), best of n."""
     from bench_overhead import make_setup
 
     from shardlib.train.state import abstract_state
     from shardlib.train.step import make_train_step
 
     shallow, deep = (int(x) for x in args.depth.split(","))
-    seconds = {}
-    for layers in (shallow, deep):
+    seconds = {shallow: float("inf"), deep: float("inf")}
+    for layers in (shallow, deep) * args.depth_repeats:  # best of n, interleaved: less noise
         setup, batch = make_setup(bench_config(args, "data=-1", layers=layers), devices[:1])
         start = time.perf_counter()
         make_train_step(setup).lower(abstract_state(setup), batch).compile()
-        seconds[layers] = time.perf_counter() - start
+        seconds[layers] = min(seconds[layers], time.perf_counter() - start)
     print(f"  compile time, scan over layers: {shallow} layers {seconds[shallow]:.2f} s, "
           f"{deep} layers {seconds[deep]:.2f} s, ratio {seconds[deep] / seconds[shallow]:.2f}",
           flush=True)
@@ -212,6 +213,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.add_argument("--" + key.replace("_", "-"), type=type(default), default=None,
                             help=f"default {default} (quick: {QUICK[key]})")
     parser.add_argument("--device-counts", default="1,8", help="one process per count")
+    parser.add_argument("--depth-repeats", type=int, default=2, help="compiles per depth")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--precision", default="auto", choices=("auto", *DTYPES),
                         help="auto: fp32 on CPU, bf16 on GPU/TPU")

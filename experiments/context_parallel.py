@@ -42,6 +42,7 @@ from shardlib.train.state import abstract_state, build_setup, init_state  # noqa
 from shardlib.train.step import make_train_step  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+CSV = RESULTS / "context_parallel.csv"
 METHODS = ("ring", "ulysses", "allgather", "none")  # none: XLA's own K/V all-gather
 GIB = 2**30
 
@@ -109,6 +110,25 @@ def measure(seq_len: int, sequence: int, method: str, time_up_to: int) -> dict:
     return row
 
 
+def save_rows(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def load_rows(path: Path) -> dict[tuple[str, int, int], dict]:
+    """Rows of an earlier run keyed by (method, sequence, seq_len); numbers parsed."""
+    if not path.exists():
+        return {}
+    parse = lambda k, v: v if k == "method" else (None if v == "" else (
+        float(v) if k in ("compile_s", "step_s") else int(v)))
+    with open(path, newline="") as f:
+        rows = [{k: parse(k, v) for k, v in row.items()} for row in csv.DictReader(f)]
+    return {(r["method"], r["sequence"], r["seq_len"]): r for r in rows}
+
+
 def print_row(row: dict) -> None:
     step = "-" if row["step_s"] is None else f"{row['step_s'] * 1e3:8.0f} ms"
     print(f"{row['method']:9} S={row['sequence']} T={row['seq_len']:6}: temp "
@@ -168,6 +188,8 @@ def plot(rows: list[dict], path: Path) -> None:
     base = next(r["temp_bytes"] for r in single if r["seq_len"] == longest)
     sizes = [1, 2, 4, 8]
     right.plot(sizes, sizes, "k--", label="ideal S")
+    right.plot(sizes, [ring_scores_ratio(s) for s in sizes], "k:",
+               label="causal ring blocks 2S^2/(S+1)")
     for method in METHODS:
         ratios = [1.0] + [base / r["temp_bytes"] for s in sizes[1:] for r in rows
                           if r["method"] == method and r["sequence"] == s
@@ -211,25 +233,26 @@ def main() -> None:
     parser.add_argument("--lengths", default="", help="comma list of sequence lengths")
     parser.add_argument("--time-up-to", type=int, default=1024,
                         help="time train steps up to this length (0: never)")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse the rows already in the CSV (same method, S and length)")
     parser.add_argument("--budget-gib", type=float, default=1.0)
     parser.add_argument("--fit-len", type=int, default=4096,
                         help="sequence length for the budget demo (trained with sequence=8)")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else (
         [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384])
+    done = load_rows(CSV) if args.resume else {}
     rows = []
     for seq_len in lengths:
-        rows.append(measure(seq_len, 1, "ring", args.time_up_to) | {"method": "single"})
-        print_row(rows[-1])
-        for method in METHODS:
-            for sequence in (2, 4, 8):
-                rows.append(measure(seq_len, sequence, method, args.time_up_to))
-                print_row(rows[-1])
-    RESULTS.mkdir(exist_ok=True)
-    with open(RESULTS / "context_parallel.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+        grid = [("single", 1)] + [(m, s) for m in METHODS for s in (2, 4, 8)]
+        for method, sequence in grid:
+            row = done.get((method, sequence, seq_len))
+            if row is None:
+                row = measure(seq_len, sequence, "ring" if method == "single" else method,
+                              args.time_up_to) | {"method": method}
+            rows.append(row)
+            print_row(row)
+            save_rows(rows, CSV)  # after every row: a killed run resumes with --resume
     plot(rows, RESULTS / "context_parallel.png")
     for line in scaling(rows, max(lengths)):
         print(line)

@@ -6,6 +6,7 @@ load-balancing loss.
 
     python experiments/moe_sweep.py            # full: 12 sweep points, 200 training steps
     python experiments/moe_sweep.py --quick    # 8 experts only, 40 steps
+    python experiments/moe_sweep.py --resume   # keep the sweep points already in the CSV
 
 Writes ``experiments/results/moe_sweep.csv``, ``moe_load.csv`` and ``moe_sweep.png``.
 CPU timings on simulated devices measure overheads more than real parallel speed: all
@@ -123,6 +124,15 @@ def write_csv(path: Path, rows: list[dict]) -> None:
         writer.writerows(rows)
 
 
+def read_csv(path: Path) -> list[dict]:
+    """Rows of a CSV this script wrote, numbers parsed back."""
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return [{k: float(v) if "." in v else int(v) for k, v in row.items()}
+                for row in csv.DictReader(f)]
+
+
 def imbalance(rows: list[dict], aux_weight: float) -> tuple[list[int], list[float]]:
     """Per recorded step: max over MoE layers of (busiest expert's tokens / mean)."""
     steps = sorted({r["step"] for r in rows if r["aux_weight"] == aux_weight})
@@ -177,16 +187,21 @@ def plot(sweep: list[dict], loads: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 experts, 40 training steps")
+    parser.add_argument("--resume", action="store_true", help="reuse the sweep points "
+                        "already in moe_sweep.csv (it is rewritten after every point)")
     args = parser.parse_args()
     experts = (8,) if args.quick else (8, 16, 32)
     steps, every = (40, 10) if args.quick else (200, 20)
     RESULTS.mkdir(exist_ok=True)
-    sweep = []
+    sweep = read_csv(RESULTS / "moe_sweep.csv") if args.resume else []
+    done = {(r["experts"], r["expert_axis"]) for r in sweep}
     for e in experts:
         for x in (1, 2, 4, 8):
-            sweep.append(sweep_point(e, x, timed_steps=3 if args.quick else 8))
-            print(sweep[-1], flush=True)
-    write_csv(RESULTS / "moe_sweep.csv", sweep)
+            if (e, x) not in done:
+                sweep.append(sweep_point(e, x, timed_steps=3 if args.quick else 8))
+                write_csv(RESULTS / "moe_sweep.csv", sweep)
+            print(next(r for r in sweep if (r["experts"], r["expert_axis"]) == (e, x)),
+                  flush=True)
     loads = load_run(steps, every, 0.01) + load_run(steps, every, 0.0)
     write_csv(RESULTS / "moe_load.csv", loads)
     for w in (0.01, 0.0):

@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
-SETTINGS = {  # model -> (batch, seq_len, memory budget in MiB per device)
-    "small": (16, 128, 90),
-    "medium": (16, 128, 256),
-    "gpt2-small": (8, 64, 2048),
+SETTINGS = {  # model -> (batch, seq_len, memory budget in MiB per device, remat policies)
+    "small": (16, 128, 90, ("none", "dots", "full")),
+    "medium": (8, 128, 320, ("none", "full")),
+    "gpt2-small": (8, 64, 2048, ("none", "full")),
 }
 
 
@@ -53,85 +53,118 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return float(np.corrcoef(ranks(xs), ranks(ys))[0, 1])
 
 
-def compile_all(config, candidates, devices, cache, profile) -> dict:
-    """Compile every candidate (full optimisation); figures go into the planner's cache."""
-    from shardlib.planner.search import compile_candidate, compiled_figures
+class Progress:
+    """Compiled steps and timings so far, one JSON object a line: a killed run resumes."""
 
-    out = {}
-    for i, cand in enumerate(candidates, start=1):
-        try:
-            step, executable = compile_candidate(config, cand, devices)
-        except Exception as err:  # noqa: BLE001 - reported, and left out of the comparison
-            print(f"  [{i}/{len(candidates)}] {cand.key}: compile failed: "
-                  f"{type(err).__name__}: {str(err).splitlines()[0][:120]}", flush=True)
-            continue
-        cache.put(config, cand, devices, step)
-        figures = compiled_figures(step, config, cand, profile)
-        out[cand] = (figures, executable)
-        print(f"  [{i}/{len(candidates)}] compiled {cand.key}: "
-              f"{figures.memory_bytes / 2**20:.1f} MiB, {figures.compile_s:.1f} s", flush=True)
-    return out
+    def __init__(self, path: Path):
+        self.path, self.steps, self.times = path, {}, {}
+        for line in path.read_text().splitlines() if path.is_file() else []:
+            rec = json.loads(line)
+            if "step" in rec:
+                self.steps[rec["key"]] = rec["step"]
+            else:
+                self.times[(rec["key"], rec["pass"])] = rec["seconds"]
+
+    def add(self, **rec) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
 
 
-def time_candidates(config, compiled: dict, devices, steps: int, passes: int) -> dict:
-    """Fastest step (s) of each candidate over ``passes`` interleaved passes."""
+def run_steps(executable, state, batch, steps: int) -> float:
+    """Fastest of ``steps`` timed steps, after one warm-up step."""
+    import jax
+
+    best = float("inf")
+    for i in range(steps + 1):
+        start = time.perf_counter()
+        state, metrics = executable(state, batch)
+        jax.block_until_ready(metrics)
+        if i:
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_all(config, candidates, devices, budget, args, progress: Progress) -> None:
+    """Pass 1 compiles every candidate (memory, collectives) and times those that fit;
+    later passes time them again in the same order (recompiles hit JAX's disk cache).
+    One executable and one train state live at a time."""
     import jax
 
     from shardlib import data as data_lib
-    from shardlib.train.state import _init_fn, build_setup
+    from shardlib.planner.search import CompiledStep, compile_candidate
+    from shardlib.train.state import build_setup, init_state
 
-    prepared = {}
-    for cand in compiled:
-        setup = build_setup(cand.apply(config), devices)
-        tc = setup.config.train
-        batches, _ = data_lib.make_batches("synthetic", tc.batch_size, tc.seq_len, 0)
-        init = jax.jit(_init_fn(setup, 0), out_shardings=setup.state_shardings)
-        prepared[cand] = (init.lower().compile(),
-                          data_lib.global_batch(batches, 0, setup.batch_sharding))
-    best = {cand: float("inf") for cand in compiled}
-    for p in range(passes):
-        for cand, (_, executable) in compiled.items():
-            init, batch = prepared[cand]
-            state = init()
-            for i in range(steps + 1):
-                start = time.perf_counter()
-                state, metrics = executable(state, batch)
-                jax.block_until_ready(metrics)
-                if i:  # the first call warms caches
-                    best[cand] = min(best[cand], time.perf_counter() - start)
-            del state, metrics
+    host_state = None
+    for p in range(1, args.passes + 1):
+        for i, cand in enumerate(candidates, start=1):
+            step = progress.steps.get(cand.key)
+            fits = step is not None and step != "failed" and step["memory_bytes"] <= budget
+            if (step is not None and not fits) or (cand.key, p) in progress.times:
+                continue
+            try:
+                compiled_step, executable = compile_candidate(config, cand, devices)
+            except Exception as err:  # noqa: BLE001 - reported, left out of the comparison
+                print(f"  {cand.key}: compile failed: {type(err).__name__}", flush=True)
+                progress.add(key=cand.key, step="failed")
+                progress.steps[cand.key] = "failed"
+                continue
+            if step is None:
+                progress.add(key=cand.key, step=compiled_step.to_dict())
+                progress.steps[cand.key] = compiled_step.to_dict()
+            if compiled_step.memory_bytes > budget:
+                continue
+            setup = build_setup(cand.apply(config), devices)
+            tc = setup.config.train
+            batches, _ = data_lib.make_batches("synthetic", tc.batch_size, tc.seq_len, 0)
+            if host_state is None:  # one init, then device_put into each layout
+                host_state = jax.device_get(init_state(setup, 0))
+            seconds = run_steps(executable, jax.device_put(host_state, setup.state_shardings),
+                                data_lib.global_batch(batches, 0, setup.batch_sharding),
+                                args.steps)
+            progress.add(key=cand.key, **{"pass": p}, seconds=seconds)
+            progress.times[(cand.key, p)] = seconds
+            print(f"  pass {p} [{i}/{len(candidates)}] {cand.key}: "
+                  f"{CompiledStep.from_dict(progress.steps[cand.key]).memory_bytes / 2**20:.1f}"
+                  f" MiB, {seconds * 1e3:.1f} ms", flush=True)
+            del executable
             gc.collect()
-        print(f"  pass {p + 1}/{passes}: " + ", ".join(
-            f"{c.key} {t * 1e3:.0f} ms" for c, t in best.items()), flush=True)
-    return best
 
 
 def validate(model: str, args: argparse.Namespace, devices, profile) -> list[dict]:
     from shardlib.config import Config, TrainConfig
     from shardlib.models import get_preset
-    from shardlib.planner.search import CompileCache, plan
+    from shardlib.planner.search import CompileCache, CompiledStep, compiled_figures, plan
     from shardlib.planner.space import enumerate_space
 
-    batch, seq, budget_mib = SETTINGS[model]
+    batch, seq, budget_mib, remats = SETTINGS[model]
+    remats = args.remats or remats
     config = Config(model=get_preset(model), train=TrainConfig(
         batch_size=batch, seq_len=seq, data="synthetic", eval_every=0, sample_tokens=0))
     budget = budget_mib * 2**20
-    valid, rejected = enumerate_space(config, 8, remats=args.remats,
+    valid, rejected = enumerate_space(config, 8, remats=remats,
                                       microbatches=args.microbatches)
     print(f"{model}: {len(valid)} valid candidates, {len(rejected)} rejected; budget "
           f"{budget_mib} MiB", flush=True)
-    cache = CompileCache(persist=False)
-    compiled = compile_all(config, valid, devices, cache, profile)
-    fitting = {c: v for c, v in compiled.items() if v[0].memory_bytes <= budget}
-    measured = time_candidates(config, fitting, devices, args.steps, args.passes)
+    progress = Progress(args.work_dir / f"{model}.jsonl")
+    measure_all(config, valid, devices, budget, args, progress)
+    cache, compiled, measured = CompileCache(persist=False), {}, {}
+    for cand in valid:
+        if progress.steps.get(cand.key, "failed") == "failed":
+            continue
+        step = CompiledStep.from_dict(progress.steps[cand.key])
+        cache.put(config, cand, devices, step)  # the planner reads these: saves recompiling
+        compiled[cand] = (compiled_figures(step, config, cand, profile), None)
+        times = [t for (k, _), t in progress.times.items() if k == cand.key]
+        if times:
+            measured[cand] = min(times)
     dump = {c.key: {"figures": v[0].to_dict(), "measured_s": measured.get(c)}
             for c, v in compiled.items()}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"planner_validation_{model}.json").write_text(json.dumps(
         {"profile": profile.to_dict(), "budget": budget, "candidates": dump}, indent=1))
-    result = plan(config, 8, profile, budget_bytes=budget, remats=args.remats,
+    result = plan(config, 8, profile, budget_bytes=budget, remats=remats,
                   microbatches=args.microbatches, devices=devices,
-                  compile_top=args.compile_top, cache=cache)  # the cache only saves time
+                  compile_top=args.compile_top, cache=cache)
     return rows_for(model, result, compiled, measured, budget, profile)
 
 
@@ -202,23 +235,32 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="small,medium")
-    parser.add_argument("--remats", default="none,full")
-    parser.add_argument("--microbatches", default="1,2")
+    parser.add_argument("--remats", default="", help="default: per model (SETTINGS)")
+    parser.add_argument("--microbatches", default="1")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per pass")
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--compile-top", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="small only, remat none, mb 1")
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/shardlib_planner_validation"),
+                        help="progress (a killed run resumes) and JAX's compilation cache")
     args = parser.parse_args()
+    args.work_dir.mkdir(parents=True, exist_ok=True)
     if args.quick:
         args.models, args.remats, args.microbatches, args.passes = "small", "none", "1", 2
-    args.remats = tuple(args.remats.split(","))
+    args.remats = tuple(args.remats.split(",")) if args.remats else ()
     args.microbatches = tuple(int(m) for m in args.microbatches.split(","))
     from shardlib.cli import setup_devices
 
     devices = setup_devices(8)
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(args.work_dir / "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     from shardlib.planner.profiles import get_profile
 
-    profile = get_profile("cpu", refresh=True)
+    saved = args.work_dir / "cpu_profile.json"  # a resumed run keeps its first profile
+    profile = get_profile(str(saved)) if saved.is_file() else get_profile("cpu", refresh=True)
+    saved.write_text(json.dumps(profile.to_dict()))
     print(f"cpu profile: {profile.peak_flops['float32'] / 1e9:.1f} GFLOP/s per device, "
           f"{profile.intra.bandwidth / 1e9:.2f} GB/s, {profile.intra.latency * 1e6:.1f} us/hop")
     rows = []

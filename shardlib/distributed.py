@@ -134,9 +134,10 @@ def initialize(plan: Plan, *, timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
                      daemon=True, name="shardlib-init-watchdog").start()
     jax_timeout = int(timeout_s) + _JAX_TIMEOUT_MARGIN_S
     try:
-        if plan.mode == "explicit":
+        if plan.mode == "explicit":  # exactly as given: no cluster may narrow the devices
             jax.distributed.initialize(plan.coordinator, num_processes=plan.num_processes,
                                        process_id=plan.process_id,
+                                       cluster_detection_method="deactivate",
                                        initialization_timeout=jax_timeout)
         else:
             jax.distributed.initialize(initialization_timeout=jax_timeout)

@@ -102,6 +102,10 @@ class Launcher:
         self.lock = threading.Lock()
         self.signal: int | None = None
 
+    def argv(self, index: int) -> list[str]:
+        """The command line of process ``index``."""
+        return child_command(self.command, self.port, self.processes, index)
+
     def emit(self, line: str) -> None:
         with self.lock:
             self.out.write(line if line.endswith("\n") else line + "\n")
@@ -111,7 +115,7 @@ class Launcher:
         env, hook = child_env(self.devices), _death_signal_hook()
         for index in range(self.processes):  # every fork before any thread starts
             proc = subprocess.Popen(
-                child_command(self.command, self.port, self.processes, index), env=env,
+                self.argv(index), env=env,
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 text=True, errors="replace", bufsize=1, start_new_session=True,
                 preexec_fn=hook)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from shardlib import observe
@@ -58,15 +59,21 @@ def test_linear_has_autodiffs_gradients(spec, x_shape, w_shape):
     """``layers.linear`` (the CPU-friendly weight gradient) against plain einsum autodiff."""
     from shardlib.models.layers import linear
 
-    kx, kw, kr = jax.random.split(jax.random.key(0), 3)
-    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, w_shape)
-    r = jax.random.normal(kr, jnp.einsum(spec, x, w).shape)
-    grads = jax.grad(lambda x, w: jnp.sum(linear(spec, x, w) * r), argnums=(0, 1))(x, w)
-    expected = jax.grad(lambda x, w: jnp.sum(jnp.einsum(spec, x, w) * r), argnums=(0, 1))(x, w)
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal(x_shape, np.float32), rng.standard_normal(w_shape, np.float32)
+    r = rng.standard_normal(np.einsum(spec, x, w).shape, np.float32)
+
+    @jax.jit
+    def both(x, w):  # one compile: values and gradients of linear and of plain einsum
+        grad = lambda f: jax.grad(lambda x, w: jnp.sum(f(spec, x, w) * r), argnums=(0, 1))
+        return linear(spec, x, w), jnp.einsum(spec, x, w), grad(linear)(x, w), \
+            grad(jnp.einsum)(x, w)
+
+    out, out_ref, grads, expected = both(x, w)
+    np.testing.assert_array_equal(out, out_ref)
     for got, want in zip(grads, expected, strict=True):
         assert got.shape == want.shape and got.dtype == want.dtype
-        assert jnp.allclose(got, want, rtol=1e-5, atol=1e-5)
-    assert jnp.array_equal(linear(spec, x, w), jnp.einsum(spec, x, w))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_profile_steps_are_parsed_and_checked():
@@ -121,7 +128,8 @@ def bench_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     args = bench.parse_args(["--quick", "--rounds", "1", "--steps-per-round", "1",
                              "--batch-size", "8", "--seq-len", "32", "--strategies", "fsdp",
-                             "--depth", "1,2", "--peak-n", "256", "--out", str(out)])
+                             "--depth", "1,2", "--depth-repeats", "1", "--peak-n", "256",
+                             "--out", str(out)])
     devices = jax.devices()
     results = {1: bench.run_worker(args, devices[:1])}  # with the hand-written step
     args.profile, args.depth = False, ""

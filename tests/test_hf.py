@@ -129,6 +129,24 @@ def test_per_layer_storage_loads_the_same(saved):
                                       stacked.blocks.mlp.w_gate_df.get_value()[i])
 
 
+def test_bf16_file_without_module_prefix(saved, tmp_path):
+    """The original GPT-2 files name tensors without ``transformer.``; bf16 tensors are read
+    and cast to the parameter dtype."""
+    from safetensors.torch import save_file
+
+    path, _ = saved["gpt2"]
+    weights = transformers.GPT2LMHeadModel.from_pretrained(path).state_dict()
+    tensors = {k.removeprefix("transformer."): v.to(torch.bfloat16).contiguous()
+               for k, v in weights.items() if k != "lm_head.weight"}
+    (tmp_path / "bf16").mkdir()
+    shutil.copy(path / "config.json", tmp_path / "bf16" / "config.json")
+    save_file(tensors, tmp_path / "bf16" / "model.safetensors", metadata={"format": "pt"})
+    ours, full = hf.from_pretrained(tmp_path / "bf16"), hf.from_pretrained(path)
+    for get in (lambda m: m.embed.w_vd, lambda m: m.blocks.attn.w_v_dhk):
+        expected = np.asarray(get(full).get_value()).astype(jax.numpy.bfloat16)
+        np.testing.assert_array_equal(get(ours).get_value(), expected.astype(np.float32))
+
+
 def test_finetune_init_from_then_export_hf(saved, tmp_path):
     """train.init_from starts from the HF weights (first loss = PyTorch's loss on the same
     batch); export --format hf of the checkpoint loads in transformers with the trained

@@ -102,12 +102,18 @@ def layer_grads(graphdefs: dict[str, nnx.GraphDef], method: str):
 def layer_case():
     """Two MoE layers (with and without dropping), inputs, and their dense reference
     results on one device."""
-    graphdefs, params = {}, {}
-    for name, factor in CAPACITY_FACTORS.items():
-        cfg = dataclasses.replace(LAYER, moe_capacity_factor=factor)
-        graphdefs[name], params[name] = nnx.split(
-            MoEMLP(cfg, std=0.3, out_std=0.3, rngs=nnx.Rngs(0)))
-    x_btd, r_btd = jax.random.normal(jax.random.key(1), (2, BATCH, SEQ, LAYER.d_model))
+    layers = {name: partial(MoEMLP, dataclasses.replace(LAYER, moe_capacity_factor=factor),
+                            std=0.3, out_std=0.3)
+              for name, factor in CAPACITY_FACTORS.items()}
+    graphdefs = {name: nnx.graphdef(nnx.eval_shape(lambda m=m: m(rngs=nnx.Rngs(0))))
+                 for name, m in layers.items()}
+
+    @jax.jit
+    def init():  # one compile, not one per eager op
+        params = {name: nnx.state(m(rngs=nnx.Rngs(0))) for name, m in layers.items()}
+        return params, *jax.random.normal(jax.random.key(1), (2, BATCH, SEQ, LAYER.d_model))
+
+    params, x_btd, r_btd = init()
     ref = jax.jit(layer_grads(graphdefs, "reference"))(params, x_btd, r_btd)
     return graphdefs, params, (x_btd, r_btd), jax.device_get(ref)
 

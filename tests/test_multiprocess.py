@@ -4,11 +4,12 @@ launcher; bad flags fail fast with one clear line.
 
 The 1 x 8 references run in this (8-device) test process with the same CLI flags. The
 launched runs are subprocesses, so each costs two JAX start-ups and compiles: keep their
-number small (3 training runs, 1 killed run, 1 watchdog start-up).
+number small (3 training runs, 1 run killed at start-up, 1 watchdog start-up).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -25,9 +26,11 @@ import pytest
 from flax import nnx
 
 from shardlib import distributed
+from shardlib import launch as launch_module
 from shardlib.checkpoint import Checkpointer
 from shardlib.cli import build_parser, config_from_args, main
 from shardlib.data import synthetic_corpus
+from shardlib.launch import Launcher
 from shardlib.train.loop import train
 from shardlib.train.state import build_setup
 from tests.helpers import relative_error
@@ -156,25 +159,29 @@ def _alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
 
 
-def test_killed_process_stops_the_launcher(corpus, tmp_path):
-    """SIGKILL one process once both have joined and built their state: the other ends up
-    blocked in a collective with a SIGTERM handler (it checkpoints), so the launcher must
-    escalate to SIGKILL; it exits non-zero within 60 s naming the killed process, and no
-    process is left behind."""
-    cmd = launch_cmd([*flags(corpus, "fsdp=8", 100_000), "--checkpoint-dir",
-                      str(tmp_path / "ckpt")])
-    cmd.insert(cmd.index("--"), "--grace=3")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _wait_for_listener(port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"nothing listens on {port} after {timeout_s} s")
+
+
+def test_killed_process_stops_the_launcher(corpus):
+    """`shardlib launch`, SIGKILL of process 1 once process 0 runs the coordinator (inside
+    jax.distributed): the launcher stops process 0 and exits non-zero within 60 s naming
+    the killed process; no process is left behind."""
+    proc = subprocess.Popen(launch_cmd(flags(corpus, "fsdp=8", 100_000)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        pids, lines = [], []
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        for line in proc.stdout:  # until process 0 prints the mesh: its state is built
-            lines.append(line)
-            if match := re.search(r"pids ([\d ]+)$", line):
-                pids = [int(p) for p in match.group(1).split()]
-            if line.startswith("[p0] mesh") or time.monotonic() > deadline:
-                break
-        assert len(pids) == 2 and lines[-1].startswith("[p0] mesh"), "".join(lines[-30:])
+        first = proc.stdout.readline()
+        match = re.search(r"coordinator 127.0.0.1:(\d+), pids (\d+) (\d+)$", first)
+        assert match, first
+        port, pids = int(match.group(1)), [int(match.group(2)), int(match.group(3))]
+        _wait_for_listener(port, RUN_TIMEOUT_S)
         os.kill(pids[1], signal.SIGKILL)
         killed = time.monotonic()
         rest = proc.communicate(timeout=60)[0]
@@ -186,6 +193,41 @@ def test_killed_process_stops_the_launcher(corpus, tmp_path):
     assert proc.returncode != 0
     assert "process 1 was killed by SIGKILL; stopped the others" in rest, rest[-2000:]
     assert not [pid for pid in pids if _alive(pid)]
+
+
+class ScriptedLauncher(Launcher):
+    """A Launcher whose children run small Python scripts instead of `shardlib train`."""
+
+    def __init__(self, scripts: list[str], **kwargs):
+        super().__init__(["train"], len(scripts), 1, **kwargs)
+        self.scripts = scripts
+
+    def argv(self, index: int) -> list[str]:
+        return [sys.executable, "-c", self.scripts[index]]
+
+
+def test_launcher_escalates_and_reports_the_failure(monkeypatch):
+    """Process 1 fails with status 3 while process 0 ignores SIGTERM (as a training
+    process stuck in a collective would): the launcher SIGKILLs it after the grace
+    period, prefixes the output, returns 3 and repeats process 1's error line."""
+    # no pre-exec hook: this test process has threads, where a fork runs no Python safely
+    monkeypatch.setattr(launch_module, "_death_signal_hook", lambda: None)
+    stubborn = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print('ready', flush=True); time.sleep(600)")
+    failing = ("import sys, time; time.sleep(0.5); print('step 1'); "
+               "print('error: disk full', file=sys.stderr); sys.exit(3)")
+    out = io.StringIO()
+    launcher = ScriptedLauncher([stubborn, failing], grace_s=1.0, out=out)
+    start = time.monotonic()
+    launcher.start()
+    assert launcher.wait() == 3
+    assert time.monotonic() - start < 30
+    text = out.getvalue()
+    assert "[p0] ready" in text and "[p1] step 1" in text
+    assert "[launch] process 0 still running 1 s after SIGTERM; sending SIGKILL" in text
+    assert "process 1 exited with status 3; stopped the others; its last error: error: " \
+           "disk full" in text, text
+    assert all(child.proc.returncode is not None for child in launcher.children)
 
 
 def test_bad_process_id_is_one_clear_error(capsys):

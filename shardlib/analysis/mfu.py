@@ -94,10 +94,12 @@ def peak_flops(devices: Sequence[jax.Device], *, dtype: jnp.dtype = jnp.float32,
         return Peak(published * len(devices), f"published bf16 peak, {len(devices)} x {kind}")
     if not measure:
         return None
-    measured = _cached_cpu_peak(devices[0], jnp.dtype(dtype).name)
+    local = next((d for d in devices if d.process_index == jax.process_index()), devices[0])
+    measured = _cached_cpu_peak(local, jnp.dtype(dtype).name)
     n = CPU_PEAK_MATMUL
-    if devices[0].platform == "cpu":  # simulated devices share the host's cores
-        return Peak(measured, f"measured {jnp.dtype(dtype).name} {n}x{n} matmul on the "
-                              f"cpu host ({len(devices)} simulated devices share it)")
+    if devices[0].platform == "cpu":  # simulated devices share their host's cores
+        hosts = len({d.process_index for d in devices})  # one process per host assumed
+        return Peak(measured * hosts, f"measured {jnp.dtype(dtype).name} {n}x{n} matmul on "
+                    f"the cpu host x {hosts} ({len(devices)} simulated devices share it)")
     return Peak(measured * len(devices), f"measured {jnp.dtype(dtype).name} {n}x{n} matmul, "
                                          f"{len(devices)} x {kind}")
