@@ -25,6 +25,7 @@ class MeshConfig:
     expert: int = 1  # MoE experts split over this axis (tokens all-to-all'd); batch split too
     sequence: int = 1  # activations split along the sequence (context parallelism)
     tensor: int = 1  # Megatron column/row split of attention and MLP weights
+    pipeline: int = 1  # layers split into this many stages; microbatches streamed through
     sequence_parallel: bool = False  # Megatron SP: norms/residual split along seq over tensor
     zero: int = 0  # ZeRO stage over `data`: 1 optimizer state, 2 + grads, 3 + params (= fsdp)
     auto: bool = False  # `--mesh auto`: shardlib.planner picks the degrees, remat, microbatches
@@ -136,6 +137,42 @@ class AttentionConfig:
 
 
 @dataclass(frozen=True)
+class CommConfig:
+    """Gradient communication over a slow mesh axis (``shardlib.parallel.comm``, ``diloco``,
+    ``comm_policy``): compression, two-level reduction, infrequent sync, an adaptive policy."""
+
+    grad_dtype: str = "none"  # none (fp32) | bf16 | fp8_e4m3 | fp8_e5m2: dtype on the slow link
+    error_feedback: bool = True  # carry the quantisation residual into the next step
+    block_size: int = 256  # fp8: elements sharing one f32 scale (4/block extra bytes/element)
+    # auto: shardlib's usual path unless another comm option is on, then hierarchical |
+    # flat: all-reduce whole gradients over fast_axis, then over slow_axis | hierarchical:
+    # reduce-scatter over fast_axis, all-reduce the shard over slow_axis (1/fast the bytes)
+    reduction: str = "auto"
+    slow_axis: str = "data"  # the axis that crosses hosts (MaxText's DCN)
+    fast_axis: str = "fsdp"  # the axis inside a host (MaxText's ICI)
+    diloco: bool = False  # replicas along slow_axis step alone; also on when sync_interval > 1
+    sync_interval: int = 1  # DiLoCo H: inner steps between outer syncs
+    outer_lr: float = 0.7  # DiLoCo outer Nesterov SGD on the averaged parameter delta
+    outer_momentum: float = 0.9
+    policy: bool = False  # adapt grad_dtype (or sync_interval under DiLoCo) while training
+    policy_every: int = 50  # steps between decisions
+    policy_max_dtype: str = "fp8_e4m3"  # most compression the policy may choose
+    policy_max_sync: int = 32  # longest sync interval the policy may choose
+    comm_high: float = 0.3  # compress more when communication exceeds this share of a step
+    comm_low: float = 0.1  # compress less when it is below this share
+    loss_rise: float = 0.02  # back off when the loss rose by more than this fraction
+    slow_gbps: float = 10.0  # slow-link bandwidth (GB/s) to estimate communication time
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """How microbatches stream through the ``pipeline`` stages (``shardlib.parallel.pipeline``)."""
+
+    schedule: str = "1f1b"  # gpipe: all forwards then all backwards | 1f1b: memory ~ stages
+    microbatches: int = 0  # per step; >= pipeline, divides the batch; 0 = up to 4 x pipeline
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Sharded orbax checkpoints (see ``shardlib.checkpoint``); ``dir=""`` disables them."""
 
@@ -154,6 +191,8 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     rules: tuple[tuple[str, tuple[str, ...]], ...] = ()  # user overrides: (logical dim, axes)
 
 

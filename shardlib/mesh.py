@@ -2,7 +2,8 @@
 simulated CPU devices.
 
 Axis order is outermost first: ``data`` crosses the slowest links and ``tensor`` the
-fastest (the same convention as MaxText and torchtitan).
+fastest (the same convention as MaxText and torchtitan). ``pipeline`` sits next to
+``data``: stages exchange one activation per microbatch, little traffic for slow links.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from jax.sharding import AxisType, Mesh
 
 from shardlib.errors import MeshError
 
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert", "sequence", "tensor")
+MESH_AXES: tuple[str, ...] = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
 """Every mesh axis shardlib knows, outermost (slowest links) first."""
 
 
@@ -113,7 +114,8 @@ def env_device_count() -> int | None:
 
 
 def describe(mesh: Mesh) -> str:
-    """One line: ``mesh data=2 fsdp=2 expert=1 sequence=1 tensor=2 (8 cpu devices)``."""
+    """One line: ``mesh data=2 pipeline=1 fsdp=2 expert=1 sequence=1 tensor=2 (8 cpu
+    devices)``."""
     sizes = " ".join(f"{name}={size}" for name, size in mesh.shape.items())
     platform = mesh.devices.flat[0].platform
     return f"mesh {sizes} ({mesh.devices.size} {platform} devices)"

@@ -51,13 +51,17 @@ PRESETS: dict[str, Rules] = {
     # Expert parallelism: MoE experts split over expert; the expert axis also splits the
     # batch (each device routes its own tokens, all-to-all moves them to their experts).
     "ep": {"expert": ("expert",), "act_batch": ("expert",)},
+    # Pipeline parallelism: the stacked layers split into stages; embedding, final norm
+    # and head replicated over pipeline (see ``parallel.pipeline``).
+    "pp": {"layers": ("pipeline",)},
 }
 
 
 def strategies(mesh_cfg: MeshConfig, sizes: Mapping[str, int]) -> list[str]:
     """Preset names active for this mesh: those whose axis has size > 1."""
     active = [name for name, axis in (("dp", "data"), ("fsdp", "fsdp"), ("ep", "expert"),
-                                      ("cp", "sequence"), ("tp", "tensor"))
+                                      ("cp", "sequence"), ("tp", "tensor"),
+                                      ("pp", "pipeline"))
               if sizes.get(axis, 1) > 1]
     if mesh_cfg.sequence_parallel:
         if sizes.get("tensor", 1) <= 1:

@@ -22,7 +22,7 @@ def test_train_end_to_end_writes_metrics(tmp_path):
                    "--log-every", "4", "--eval-every", "6", "--metrics-file", str(metrics))
     assert run.returncode == 0, run.stderr
     out = run.stdout
-    assert "mesh data=2 fsdp=2 expert=1 sequence=1 tensor=2 (8 cpu devices)" in out
+    assert "mesh data=2 pipeline=1 fsdp=2 expert=1 sequence=1 tensor=2 (8 cpu devices)" in out
     assert "blocks.mlp.w_in_df" in out and "(None, fsdp, tensor)" in out  # sharding table
     assert "step     12/12" in out and "Summary" in out and "sample:" in out
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -36,12 +36,13 @@ def test_train_end_to_end_writes_metrics(tmp_path):
 def test_devices_flag_simulates_cpu_devices(tmp_path):
     run = shardlib(*TINY_RUN, "--devices", "4", "--mesh", "fsdp=-1", "--steps", "2")
     assert run.returncode == 0, run.stderr
-    assert "mesh data=1 fsdp=4 expert=1 sequence=1 tensor=1 (4 cpu devices)" in run.stdout
+    assert ("mesh data=1 pipeline=1 fsdp=4 expert=1 sequence=1 tensor=1 (4 cpu devices)"
+            in run.stdout)
 
 
 @pytest.mark.parametrize("args, needle", [
     (["--mesh", "data=3,tensor=2"],
-     "data=3 x fsdp=1 x expert=1 x sequence=1 x tensor=2 = 6 devices"),
+     "data=3 x pipeline=1 x fsdp=1 x expert=1 x sequence=1 x tensor=2 = 6 devices"),
     (["--mesh", "tensor=8"], "cannot be split"),
     (["--set", "model.layers=3"], "unknown field 'layers'"),
     (["--model", "huge"], "unknown model"),

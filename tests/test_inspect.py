@@ -52,7 +52,8 @@ def test_json_report_of_fsdp_plus_tp():
     ins = inspection("fsdp_tp")
     report = to_json(ins)
     check_report(report)
-    assert report["mesh"] == {"data": 1, "fsdp": 4, "expert": 1, "sequence": 1, "tensor": 2}
+    assert report["mesh"] == {"data": 1, "pipeline": 1, "fsdp": 4, "expert": 1, "sequence": 1,
+                              "tensor": 2}
     assert set(report["axes"]) >= {"fsdp", "tensor"}
     config = case_config("fsdp_tp")
     assert report["num_params"] == count_params(config.model)
@@ -66,7 +67,7 @@ def test_text_report_has_every_section():
     console = Console(width=160, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
     render(inspection("fsdp_tp"), console)
     text = console.export_text()
-    for needle in ("mesh data=1 fsdp=4 expert=1 sequence=1 tensor=2", "Parameters",
+    for needle in ("mesh data=1 pipeline=1 fsdp=4 expert=1 sequence=1 tensor=2", "Parameters",
                    "blocks.mlp.w_in_df",
                    "Collectives per step, by mesh axis", "reduce-scatter", "Theory",
                    "Memory per device", "FLOPs per device", "measured / theory"):

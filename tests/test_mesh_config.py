@@ -11,7 +11,7 @@ from shardlib.mesh import MESH_AXES, describe, make_mesh, resolve_degrees
 
 def test_auto_fill_takes_the_remaining_devices():
     assert resolve_degrees({"data": 2, "fsdp": -1, "tensor": 2}, 8) == {
-        "data": 2, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 2}
+        "data": 2, "pipeline": 1, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 2}
 
 
 def test_product_mismatch_names_every_factor():
@@ -36,15 +36,17 @@ def test_bad_degrees(degrees, needle):
 def test_make_mesh_has_every_axis_in_order():
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     assert mesh.axis_names == MESH_AXES
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "expert": 1, "sequence": 1, "tensor": 2}
-    assert describe(mesh).startswith("mesh data=2 fsdp=2 expert=1 sequence=1 tensor=2 (8 cpu")
+    assert dict(mesh.shape) == {"data": 2, "pipeline": 1, "fsdp": 2, "expert": 1, "sequence": 1,
+                                "tensor": 2}
+    assert describe(mesh).startswith(
+        "mesh data=2 pipeline=1 fsdp=2 expert=1 sequence=1 tensor=2 (8 cpu")
 
 
 def test_parse_mesh_and_errors():
     assert parse_mesh("data=2,fsdp=2,tensor=2") == MeshConfig(data=2, fsdp=2, sequence=1, tensor=2)
     assert parse_mesh("fsdp=-1").fsdp == -1
     with pytest.raises(ConfigError, match="expected AXIS=SIZE"):
-        parse_mesh("pipeline=2")
+        parse_mesh("stages=2")
     with pytest.raises(ConfigError, match="size must be an int"):
         parse_mesh("data=two")
 

@@ -110,9 +110,7 @@ class GPT(nnx.Module):
         """Logits and the MoE layers' router stats (each with a leading MoE-layer dim;
         empty for a dense model)."""
         stats: MoEStats = {}
-        x_btd = self.embed(tokens_bt)
-        if self.cfg.pos_embedding == "learned":
-            x_btd = x_btd + self.pos_td[...][: tokens_bt.shape[1]][None]  # (1, T, D)
+        x_btd = self.embed_tokens(tokens_bt)
         if self.cfg.num_experts:
             x_btd, stats = run_groups(self.blocks, x_btd, self.cfg, remat)
         elif self.cfg.scan_layers:
@@ -120,13 +118,22 @@ class GPT(nnx.Module):
         else:
             for block in self.blocks:
                 x_btd = remat(lambda x, b=block: b(x), self.cfg.remat)(x_btd)
+        return self.head(x_btd), stats
+
+    def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
+        """Tokens (B, T) -> the first block's input (B, T, D), positions added."""
+        x_btd = self.embed(tokens_bt)
+        if self.cfg.pos_embedding == "learned":
+            x_btd = x_btd + self.pos_td[...][: tokens_bt.shape[1]][None]  # (1, T, D)
+        return x_btd
+
+    def head(self, x_btd: jax.Array) -> jax.Array:
+        """The last block's output (B, T, D) -> logits (B, T, vocab): final norm, LM head."""
         x_btd = self.final_norm(x_btd)
         if self.cfg.tie_embeddings:
-            logits_btv = self.embed.attend(x_btd)
-        else:
-            logits_btv = jnp.einsum("btd,dv->btv", x_btd, self.w_head_dv[...])
-            logits_btv = constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"))
-        return logits_btv, stats
+            return self.embed.attend(x_btd)
+        logits_btv = jnp.einsum("btd,dv->btv", x_btd, self.w_head_dv[...])
+        return constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"))
 
 
 def count_params(cfg: ModelConfig) -> int:

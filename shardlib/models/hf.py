@@ -189,6 +189,7 @@ def check_matches(theirs: ModelConfig, ours: ModelConfig, path: str | os.PathLik
 
 def pretrained_state(setup: TrainSetup, path: str | os.PathLike) -> TrainState:
     """A fresh TrainState (step 0, new AdamW state) whose parameters come from ``path``."""
+    from shardlib.parallel import comm
     from shardlib.precision import LossScale
     from shardlib.train.state import TrainState
 
@@ -199,7 +200,8 @@ def pretrained_state(setup: TrainSetup, path: str | os.PathLike) -> TrainState:
     def init(params: nnx.State) -> TrainState:
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=setup.tx.init(params), rng=jax.random.key_data(state_key),
-                          loss_scale=LossScale.initial(setup.config.precision))
+                          loss_scale=LossScale.initial(setup.config.precision),
+                          comm=comm.init_state(setup, params))
 
     return jax.jit(init, out_shardings=setup.state_shardings, donate_argnums=0)(params)
 

@@ -47,10 +47,12 @@ def evaluate(eval_step, params, val: data_lib.Batches, setup: TrainSetup, count:
     return float(np.mean(jax.device_get(losses)))
 
 
-def _rows(pending: list[tuple[int, dict]], seconds: float, tokens: int) -> list[dict[str, Any]]:
-    """Host-side metric rows for steps dispatched since the last sync."""
-    step_time = seconds / len(pending)
+def _rows(pending: list[tuple[int, dict]], since: float, tokens: int) -> list[dict[str, Any]]:
+    """Host-side metric rows for steps dispatched since the last sync (at ``since``, a
+    ``perf_counter`` time). Steps run asynchronously: the step time is taken once their
+    metrics have arrived, not when they were dispatched."""
     fetched = jax.device_get([m for _, m in pending])
+    step_time = (time.perf_counter() - since) / len(pending)
     return [
         {"step": step, **{k: np.asarray(v).item() for k, v in metrics.items()},
          "step_time_s": step_time, "tokens_per_sec": tokens / step_time}
@@ -107,6 +109,7 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
     step_fn = make_train_step(setup).lower(state, first).compile()
     compile_s = time.perf_counter() - tick
     observer.on_compiled(step_fn)
+    adapt = _adaptive(setup, state, first, step_fn)  # comm.policy: None unless on
     keep_fn = _keeping_step(setup, state, first, checkpointer)
     eval_step = make_eval_step(setup)
     tokens = tc.batch_size * tc.seq_len
@@ -114,6 +117,7 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
     after_save = None
     tick = time.perf_counter()
     first_step = int(state.step) + 1
+    serial = _serial_steps(setup)
     for step in range(first_step, tc.steps + 1):
         if stop.requested(step, tc.log_every):
             result.stopped_by = stop.signal
@@ -122,6 +126,8 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
             train_data, step - 1, setup.batch_sharding)
         observer.profiler.before_step(step, state)
         state, metrics = (after_save or step_fn)(state, batch)
+        if serial:  # see _serial_steps
+            jax.block_until_ready(metrics)
         observer.profiler.after_step(step, state)
         pending.append((step, metrics))
         after_save = None
@@ -129,17 +135,44 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
             after_save = keep_fn()  # the next step keeps the saved state: no copy needed
             checkpointer.save(step, state, setup.config, copy=after_save is None)
         do_eval = tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.steps)
-        if do_eval or step % tc.log_every == 0 or step == tc.steps:
-            rows = _rows(pending, time.perf_counter() - tick, tokens)
+        due = adapt is not None and adapt.due(step)
+        if do_eval or due or step % tc.log_every == 0 or step == tc.steps:
+            rows = _rows(pending, tick, tokens)
             if do_eval:
                 rows[-1]["eval_loss"] = evaluate(eval_step, state.params, val_data, setup,
                                                  tc.eval_batches)
+            if adapt is not None:
+                adapt.annotate(rows)
+            if due:
+                state, step_fn, changed = adapt.adjust(rows, result.history, state, step_fn)
+                keep_fn = (lambda: None) if changed else keep_fn  # compiled for the old one
             _report(result, reporter, observer.annotate(rows))
             pending, tick = [], time.perf_counter()
     if pending:  # stopped by a signal between two log steps
-        rows = _rows(pending, time.perf_counter() - tick, tokens)
+        rows = _rows(pending, tick, tokens)
         _report(result, reporter, observer.annotate(rows))
     return state, compile_s
+
+
+def _serial_steps(setup: TrainSetup) -> bool:
+    """Wait for each step before dispatching the next when the ``comm.*`` reduction runs
+    on simulated CPU devices: XLA CPU may run the collectives of two overlapping steps at
+    once, and on a loaded host they can take every thread of its pool while a peer device
+    waits (a deadlock seen with the all-to-all + all-gather reduction, never with XLA's)."""
+    from shardlib.parallel import comm
+
+    return comm.enabled(setup.config.comm) and setup.mesh.devices.flat[0].platform == "cpu"
+
+
+def _adaptive(setup: TrainSetup, state: TrainState, batch: Any, step_fn: Any) -> Any:
+    """The ``comm.policy`` runner (``parallel.comm_policy``), or None when it is off."""
+    if not setup.config.comm.policy:
+        return None
+    from shardlib.parallel.comm_policy import Adaptive
+
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          (state, batch))
+    return Adaptive(setup, lambda s: make_train_step(s).lower(*shapes).compile(), step_fn)
 
 
 def _keeping_step(setup: TrainSetup, state: TrainState, batch: Any,

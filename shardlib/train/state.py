@@ -19,7 +19,9 @@ from shardlib.errors import ConfigError
 from shardlib.mesh import MESH_AXES, make_mesh, resolve_degrees
 from shardlib.models import GPT, check_model
 from shardlib.models.moe import check_moe
+from shardlib.parallel import comm as comm_lib
 from shardlib.parallel.context import check_context_parallel
+from shardlib.parallel.pipeline import check_pipeline
 from shardlib.precision import LossScale, Policy
 from shardlib.precision import resolve as resolve_policy
 
@@ -34,6 +36,7 @@ class TrainState:
     opt_state: optax.OptState
     rng: jax.Array  # uint32[2] raw key, split every step
     loss_scale: LossScale  # fp16 dynamic loss scaling (scale 1 for other policies)
+    comm: comm_lib.CommState | None = None  # error feedback / DiLoCo state (comm.* options)
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,9 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None) -> Trai
     check_moe(config.model, sizes)
     check_context_parallel(config.attention.context_parallel, sizes=sizes,
                            num_heads=config.model.num_heads, seq_len=config.train.seq_len)
+    check_pipeline(config, sizes)
+    comm_lib.check_comm(config.comm, sizes, zero=config.mesh.zero,
+                        loss_scaling=policy.loss_scaling)
     rules = sharding.make_rules(config.mesh, sizes, config.rules)
     abstract = nnx.eval_shape(lambda: GPT(config.model, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract)
@@ -180,7 +186,8 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None) -> Trai
         transform_non_params=lambda _: replicated, is_leaf=_is_var)
     scale_sh = LossScale(replicated, replicated, replicated)
     state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
-                          loss_scale=scale_sh)
+                          loss_scale=scale_sh, comm=comm_lib.state_shardings(
+                              config.comm, mesh, abstract_params, param_sh, tx))
     return TrainSetup(config, mesh, rules, graphdef, abstract_params, tx, state_sh,
                       batch_sharding(config, mesh, rules),
                       zero_sh if config.mesh.zero == 2 else param_sh, policy)
@@ -207,7 +214,8 @@ def _init_fn(setup: TrainSetup, seed: int):
         params = jax.tree.map(lambda p: p.astype(setup.policy.param), params)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                           opt_state=setup.tx.init(params), rng=jax.random.key_data(state_key),
-                          loss_scale=LossScale.initial(setup.config.precision))
+                          loss_scale=LossScale.initial(setup.config.precision),
+                          comm=comm_lib.init_state(setup, params))
 
     return init
 

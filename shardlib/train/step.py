@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlib import precision
 from shardlib.models.moe import moe_objective
-from shardlib.parallel import context, fsdp
+from shardlib.parallel import comm, context, diloco, fsdp, pipeline
 from shardlib.sharding import Rules, activation_rules
 from shardlib.train.state import TrainSetup, TrainState, lr_schedule
 
@@ -85,6 +85,9 @@ def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: Batch,
 
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
     pin = lambda g: jax.lax.with_sharding_constraint(g, setup.grad_shardings)
+    if pipeline.applies(setup.sizes):  # GPipe / 1F1B over `pipeline` (parallel.pipeline)
+        loss, grads = pipeline.loss_and_grads(setup, params, batch, scale)
+        return loss, pin(grads), {"loss": loss}
     if count == 1:
         (loss, metrics), grads = grad_fn(params, batch)
     else:
@@ -108,19 +111,29 @@ def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: Batch,
 
 def train_step(setup: TrainSetup, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     """One optimizer step on the global batch; under fp16 a step with non-finite
-    gradients is skipped (params and optimizer state kept) and the loss scale halves."""
-    scaling = state.loss_scale
-    _, grads, loss_parts = loss_and_grads(setup, state.params, batch, scaling.scale)
+    gradients is skipped (params and optimizer state kept) and the loss scale halves.
+    The ``comm.*`` options route to ``parallel.comm`` (compressed, two-level gradient
+    reduction) or ``parallel.diloco`` (infrequent synchronisation)."""
+    if comm.diloco_enabled(setup.config.comm):
+        return diloco.diloco_step(setup, state, batch, lr_at(setup, state.step))
+    scaling, comm_state = state.loss_scale, state.comm
+    if comm.enabled(setup.config.comm):
+        _, grads, loss_parts, ef = comm.loss_and_grads(setup, state.params, batch,
+                                                       scaling.scale, state.comm.ef)
+        comm_state = comm.CommState(ef=ef)
+    else:
+        _, grads, loss_parts = loss_and_grads(setup, state.params, batch, scaling.scale)
     updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if setup.policy.loss_scaling:
         finite = precision.all_finite(grads)
         params = precision.select_tree(finite, params, state.params)
         opt_state = precision.select_tree(finite, opt_state, state.opt_state)
+        comm_state = precision.select_tree(finite, comm_state, state.comm)
         scaling = precision.update_scale(scaling, finite, setup.config.precision)
     rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng,
-                           loss_scale=scaling)
+                           loss_scale=scaling, comm=comm_state)
     metrics = {"loss": loss_parts["loss"], "grad_norm": optax.tree.norm(grads),
                "lr": lr_at(setup, state.step), "loss_scale": scaling.scale,
                "skipped_steps": scaling.skipped,

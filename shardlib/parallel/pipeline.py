@@ -1,0 +1,269 @@
+"""Pipeline parallelism: GPipe and 1F1B schedules over the ``pipeline`` mesh axis.
+
+The stacked layers split evenly into stages: the ``layers`` dim of every block parameter
+is sharded over ``pipeline`` (rule preset ``pp``). Embedding, final norm and LM head are
+replicated over ``pipeline``; only the first stage embeds and only the last computes the
+head and the loss. One ``jax.shard_map``, manual over every mesh axis, runs a static tick
+table (``pipeline_schedule``) in a ``lax.scan``: each tick a stage idles, runs the forward
+of one microbatch, or its backward; then activations move one stage on and cotangents one
+stage back with ``ppermute``. A forward keeps only its stage input; the backward recomputes
+the stage from that input under ``jax.vjp`` (GPipe's re-materialisation), so a stage holds
+``Schedule.act_slots`` inputs: M under GPipe, at most P under 1F1B.
+
+The batch axes (``data``, ``fsdp``) are manual too: a stage all-gathers its fsdp-split
+parameters once per step; gradients are reduce-scattered over fsdp, all-reduced over data
+and, for the parameters replicated over ``pipeline``, summed over the stages.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from shardlib import precision
+from shardlib.config import Config
+from shardlib.errors import ConfigError
+from shardlib.models.layers import scan_layers
+from shardlib.parallel import comm, fsdp
+from shardlib.parallel.pipeline_schedule import FWD, IDLE, SCHEDULES, Schedule, build
+
+if TYPE_CHECKING:
+    from shardlib.train.state import TrainSetup
+
+AXIS = "pipeline"
+BATCH_AXES = ("data", "fsdp")
+UNSUPPORTED_AXES = ("expert", "sequence", "tensor")
+
+
+def applies(sizes: Mapping[str, int]) -> bool:
+    """Whether the train step runs the pipeline schedule (``pipeline`` > 1)."""
+    return sizes.get(AXIS, 1) > 1
+
+
+def batch_shards(sizes: Mapping[str, int]) -> int:
+    """Devices the batch is split over (``data`` x ``fsdp``)."""
+    return math.prod(sizes.get(axis, 1) for axis in BATCH_AXES)
+
+
+def resolve_microbatches(config: Config, sizes: Mapping[str, int]) -> int:
+    """``pipeline.microbatches``, or for 0 the most (up to 4 x stages) that split the
+    per-device batch evenly; the stage count if none does (``check_pipeline`` then says so)."""
+    if config.pipeline.microbatches:
+        return config.pipeline.microbatches
+    stages, local = sizes.get(AXIS, 1), config.train.batch_size // batch_shards(sizes)
+    fits = [m for m in range(stages, 4 * stages + 1) if local % m == 0]
+    return max(fits, default=stages)
+
+
+def check_pipeline(config: Config, sizes: Mapping[str, int]) -> None:
+    """Raise a ConfigError naming the field, its value and the fix, before compiling."""
+    if config.pipeline.schedule not in SCHEDULES:
+        raise ConfigError(f"pipeline.schedule={config.pipeline.schedule!r}: use one of "
+                          f"{', '.join(SCHEDULES)}")
+    if not applies(sizes):
+        return
+    p, model = sizes[AXIS], config.model
+    if model.num_layers % p:
+        raise ConfigError(
+            f"model.num_layers={model.num_layers} is not divisible by pipeline={p}: every "
+            f"stage needs the same number of layers; use num_layers a multiple of {p} or a "
+            f"pipeline degree that divides {model.num_layers}")
+    _check_support(config, sizes)
+    _check_microbatches(config, sizes)
+
+
+def _check_support(config: Config, sizes: Mapping[str, int]) -> None:
+    """Raise on what the pipeline does not combine with (yet)."""
+    others = [f"{axis}={sizes[axis]}" for axis in UNSUPPORTED_AXES if sizes.get(axis, 1) > 1]
+    if others:
+        raise ConfigError(f"--mesh pipeline={sizes[AXIS]} with {', '.join(others)}: pipeline "
+                          "composes with data and fsdp only; set those axes to 1")
+    if config.model.num_experts:
+        raise ConfigError(f"model.num_experts={config.model.num_experts}: MoE models cannot "
+                          "be pipelined yet; use pipeline=1 or a dense model")
+    if not config.model.scan_layers:
+        raise ConfigError("model.scan_layers=false: pipeline stages split the stacked "
+                          "layers; set model.scan_layers=true")
+    if comm.enabled(config.comm):
+        raise ConfigError("comm.* gradient options (compression, two-level reduction, DiLoCo, "
+                          "policy) do not combine with pipeline yet; leave comm at its "
+                          "defaults or use pipeline=1")
+    if config.train.grad_accum != 1:
+        raise ConfigError(f"train.grad_accum={config.train.grad_accum} with pipeline: the "
+                          "pipeline already splits the batch; use pipeline.microbatches")
+
+
+def _check_microbatches(config: Config, sizes: Mapping[str, int]) -> None:
+    p, m = sizes[AXIS], resolve_microbatches(config, sizes)
+    shards, batch = batch_shards(sizes), config.train.batch_size
+    if m < p:
+        raise ConfigError(f"pipeline.microbatches={m} < pipeline={p}: stages would sit idle "
+                          f"most of the step; use at least {p} (4 x {p} keeps the bubble "
+                          "under 20%)")
+    if batch % (shards * m):
+        raise ConfigError(
+            f"train.batch_size={batch} does not split into pipeline.microbatches={m} on "
+            f"each of the {shards} data x fsdp shards; make batch_size a multiple of "
+            f"{shards * m} or change microbatches")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage's computations on its (fsdp-gathered) parameters: embedding on the first
+    stage, the stage's layers, head and loss on the last."""
+
+    graphdef: nnx.GraphDef
+    policy: precision.Policy
+    remat: str
+
+    def _layers(self, model: nnx.Module, x_btd: jax.Array, tokens_bt: jax.Array,
+                is_first: jax.Array) -> jax.Array:
+        x_btd = jax.lax.cond(is_first, lambda: model.embed_tokens(tokens_bt).astype(x_btd.dtype),
+                             lambda: x_btd)
+        return scan_layers(model.blocks, x_btd, self.remat)
+
+    def model(self, params: nnx.State) -> nnx.Module:
+        return nnx.merge(self.graphdef, precision.cast_params(params, policy=self.policy))
+
+    def forward(self, params: nnx.State, x_btd: jax.Array, tokens_bt: jax.Array,
+                is_first: jax.Array) -> jax.Array:
+        """The stage output (B, T, D); the first stage embeds ``tokens_bt`` instead of
+        reading ``x_btd``."""
+        return self._layers(self.model(params), x_btd, tokens_bt, is_first)
+
+    def forward_loss(self, params: nnx.State, x_btd: jax.Array, tokens_bt: jax.Array,
+                     targets_bt: jax.Array, is_first: jax.Array,
+                     is_last: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(stage output, mean cross-entropy in fp32 on the last stage, else 0)."""
+        model = self.model(params)
+        y_btd = self._layers(model, x_btd, tokens_bt, is_first)
+
+        def loss() -> jax.Array:
+            logits_btv = model.head(y_btd).astype(self.policy.output)
+            losses_bt = optax.softmax_cross_entropy_with_integer_labels(logits_btv, targets_bt)
+            return jnp.mean(losses_bt).astype(jnp.float32)
+
+        return y_btd, jax.lax.cond(is_last, loss, lambda: jnp.zeros((), jnp.float32))
+
+
+def tables(schedule: Schedule) -> np.ndarray:
+    """(ticks, stages, 6) int32: op, microbatch, act read/receive slot, grad read/receive
+    slot. Passed traced, one compiled step runs any schedule of the same shape."""
+    s = schedule
+    return np.stack([s.op_ts, s.mb_ts, s.act_slot_ts, s.act_recv_ts, s.grad_slot_ts,
+                     s.grad_recv_ts], axis=-1)
+
+
+def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params: nnx.State,
+                 inputs_mbt: jax.Array, targets_mbt: jax.Array, dloss: jax.Array,
+                 dtype: jnp.dtype, d_model: int) -> tuple[jax.Array, nnx.State]:
+    """Inside shard_map: run the tick table; return (this stage's loss sum over its
+    microbatches, its parameter gradients for cotangent ``dloss`` per microbatch loss).
+    ``schedule`` gives the shapes (stages, slots), ``table_tpc`` the operations."""
+    p = schedule.stages
+    me = jax.lax.axis_index(AXIS)
+    is_first, is_last = me == 0, me == p - 1
+    zeros_btd = jnp.zeros((*inputs_mbt.shape[1:], d_model), dtype)
+    to_next, to_prev = [(s, s + 1) for s in range(p - 1)], [(s, s - 1) for s in range(1, p)]
+
+    def tick(carry: tuple, table_pc: jax.Array) -> tuple[tuple, None]:
+        acts_kbtd, cots_kbtd, grads, loss = carry
+        op, m, a_read, a_recv, g_read, g_recv = (table_pc[me, i] for i in range(6))
+        op = jnp.where(is_last & (op == FWD), IDLE, op)  # its backward recomputes it anyway
+        x_btd, tokens_bt, targets_bt = acts_kbtd[a_read], inputs_mbt[m], targets_mbt[m]
+
+        def idle() -> tuple:
+            return zeros_btd, zeros_btd, grads, loss
+
+        def forward() -> tuple:
+            return stage.forward(params, x_btd, tokens_bt, is_first), zeros_btd, grads, loss
+
+        def backward() -> tuple:  # recompute the stage from its input, then its vjp
+            f = lambda p_, x_: stage.forward_loss(p_, x_, tokens_bt, targets_bt, is_first,
+                                                  is_last)
+            (_, loss_m), vjp = jax.vjp(f, params, x_btd)
+            dy_btd = jnp.where(is_last, zeros_btd, cots_kbtd[g_read])
+            dparams, dx_btd = vjp((dy_btd, dloss))
+            return zeros_btd, dx_btd, jax.tree.map(jnp.add, grads, dparams), loss + loss_m
+
+        y_btd, dx_btd, grads, loss = jax.lax.switch(op, (idle, forward, backward))
+        y_btd = jax.lax.ppermute(y_btd, AXIS, to_next)  # activations one stage on
+        dx_btd = jax.lax.ppermute(dx_btd, AXIS, to_prev)  # cotangents one stage back
+        return (acts_kbtd.at[a_recv].set(y_btd), cots_kbtd.at[g_recv].set(dx_btd), grads,
+                loss), None
+
+    init = (jnp.zeros((schedule.act_slots + 1, *zeros_btd.shape), dtype),  # + scratch slot
+            jnp.zeros((schedule.grad_slots + 1, *zeros_btd.shape), dtype),
+            jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
+    (_, _, grads, loss), _ = jax.lax.scan(tick, init, table_tpc)
+    return loss, grads
+
+
+def _spec_axes(spec: PartitionSpec) -> set[str]:
+    return {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
+
+
+def reduce_grads(grads: nnx.State, specs: nnx.State, sizes: Mapping[str, int]) -> nnx.State:
+    """Per-device gradients of whole stage parameters -> gradients in the parameters'
+    layout: reduce-scatter over fsdp, then sum over every other axis a parameter is
+    replicated on (data, and pipeline for embedding, final norm and head)."""
+
+    def reduce(g: jax.Array, spec: PartitionSpec) -> jax.Array:
+        axes, dim = _spec_axes(spec), fsdp.gather_dim(spec)
+        if dim is not None and sizes.get("fsdp", 1) > 1:
+            g = jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim, tiled=True)
+        summed = tuple(a for a in (AXIS, *BATCH_AXES) if sizes.get(a, 1) > 1 and a not in axes)
+        return jax.lax.psum(g, summed) if summed else g
+
+    return jax.tree.map(reduce, grads, specs)
+
+
+def _split(x_bt: jax.Array, count: int) -> jax.Array:
+    """(B, T) -> (count, B / count, T): microbatch k is rows k B/count ... (k+1) B/count."""
+    return x_bt.reshape(count, -1, x_bt.shape[1])
+
+
+def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Array],
+                   scale: jax.Array, schedule: Schedule | None = None,
+                   table_tpc: jax.Array | None = None) -> tuple[jax.Array, nnx.State]:
+    """Mean cross-entropy over the batch and its gradients (laid out as the parameters),
+    run by ``schedule`` (default: ``pipeline.schedule`` over ``pipeline.microbatches``).
+    ``scale`` seeds the backward (fp16 loss scaling) and is divided out of the gradients.
+    ``table_tpc`` (default: ``tables(schedule)``) may be traced."""
+    config, sizes = setup.config, setup.sizes
+    schedule = schedule or build(config.pipeline.schedule, sizes[AXIS],
+                                 resolve_microbatches(config, sizes))
+    table_tpc = tables(schedule) if table_tpc is None else table_tpc
+    stage = Stage(setup.graphdef, setup.policy, config.model.remat)
+    specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
+    shards, count = batch_shards(sizes), schedule.microbatches
+
+    def local(params_shard: nnx.State, batch_shard: dict, scale: jax.Array,
+              table_tpc: jax.Array) -> tuple:
+        full = fsdp.gather_params(params_shard, specs) if sizes.get("fsdp", 1) > 1 \
+            else params_shard
+        dloss = scale.astype(jnp.float32) / (count * shards)
+        loss, grads = run_schedule(stage, schedule, table_tpc, full,
+                                   _split(batch_shard["inputs"], count),
+                                   _split(batch_shard["targets"], count), dloss,
+                                   setup.policy.compute, config.model.d_model)
+        grads = reduce_grads(grads, specs, sizes)
+        unscale = lambda g: (g / scale.astype(g.dtype)).astype(g.dtype)
+        return jax.lax.psum(loss, (AXIS, *BATCH_AXES)) / (count * shards), \
+            jax.tree.map(unscale, grads)
+
+    batch_spec = setup.batch_sharding.spec
+    return jax.shard_map(
+        local, mesh=setup.mesh, check_vma=False,
+        in_specs=(specs, {key: batch_spec for key in batch}, PartitionSpec(), PartitionSpec()),
+        out_specs=(PartitionSpec(), specs),
+    )(params, batch, scale, jnp.asarray(table_tpc, jnp.int32))

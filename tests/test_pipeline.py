@@ -1,0 +1,221 @@
+"""Pipeline parallelism: tick tables, equivalence with the unpipelined model, errors.
+
+One compiled pipeline step per (stages, microbatches) runs both schedules: the tick table
+is a traced argument and GPipe and 1F1B have the same tick count (1F1B's buffers padded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cache
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from shardlib import data as data_lib
+from shardlib.config import (
+    Config,
+    MeshConfig,
+    ModelConfig,
+    OptimConfig,
+    PipelineConfig,
+    TrainConfig,
+    apply_overrides,
+    parse_mesh,
+)
+from shardlib.errors import ConfigError
+from shardlib.parallel import pipeline
+from shardlib.parallel.pipeline_schedule import BWD, FWD, IDLE, build, with_slots
+from shardlib.train.state import TrainSetup, TrainState, build_setup, init_state
+from shardlib.train.step import loss_fn, make_train_step
+from tests.helpers import relative_error
+
+# 4 layers: 2 per stage at pipeline=2, 1 at pipeline=4. Tiny so each compile is short.
+# Compiles skip LLVM's optimisations (same arithmetic, half the compile time on CPU).
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+MODEL = ModelConfig(name="pp", d_model=32, num_layers=4, num_heads=2, d_ff=64, max_seq_len=32)
+BATCH, SEQ = 32, 16
+
+
+def make_config(mesh: MeshConfig, schedule: str = "1f1b", microbatches: int = 0,
+                steps: int = 3, **model_changes) -> Config:
+    return Config(
+        mesh=mesh, model=dataclasses.replace(MODEL, **model_changes),
+        optim=OptimConfig(lr=1e-3, eps=1e-6, warmup_steps=0),
+        train=TrainConfig(steps=steps, batch_size=BATCH, seq_len=SEQ, data="synthetic",
+                          eval_every=0, sample_tokens=0),
+        pipeline=PipelineConfig(schedule=schedule, microbatches=microbatches),
+    )
+
+
+# --- tick tables (no JAX) ----------------------------------------------------------------
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [2, 4, 8])
+@pytest.mark.parametrize("per_stage", [1, 2, 4])
+def test_table_bubble_matches_theory(schedule: str, stages: int, per_stage: int):
+    table = build(schedule, stages, stages * per_stage)
+    m = stages * per_stage
+    assert table.ticks == 2 * (m + stages - 1)
+    assert table.bubble_fraction() == pytest.approx((stages - 1) / (m + stages - 1))
+    for s in range(stages):  # every stage runs each microbatch forward and backward once
+        for op in (FWD, BWD):
+            assert sorted(table.mb_ts[table.op_ts[:, s] == op, s]) == list(range(m))
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_1f1b_holds_stages_inputs_gpipe_microbatches(stages: int):
+    for m in (stages, 2 * stages, 8 * stages):
+        assert build("1f1b", stages, m).act_slots <= stages
+        assert build("gpipe", stages, m).act_slots == m
+
+
+def test_table_respects_dependencies():
+    table = build("1f1b", 4, 8)
+    tick = {(int(table.op_ts[t, s]), s, int(table.mb_ts[t, s])): t
+            for t in range(table.ticks) for s in range(4) if table.op_ts[t, s] != IDLE}
+    for (op, s, m), t in tick.items():
+        if op == FWD and s > 0:
+            assert tick[(FWD, s - 1, m)] < t
+        if op == BWD:
+            assert tick[(FWD, s, m)] < t and (s == 3 or tick[(BWD, s + 1, m)] < t)
+
+
+def test_timeline_prints_who_runs_what():
+    text = build("1f1b", 2, 4).timeline()
+    assert "1f1b: 2 stages, 4 microbatches, 10 ticks, bubble 0.200 (theory 0.200)" in text
+    assert text.splitlines()[2].split()[:4] == ["stage", "0", "F0", "F1"]
+    assert text.splitlines()[3].split()[:5] == ["stage", "1", ".", "F0", "B0"]
+
+
+# --- equivalence with the unpipelined model ---------------------------------------------
+# The state is initialised once on one device and copied onto every mesh: an init per mesh
+# would cost a compile each.
+
+@cache
+def reference() -> tuple[TrainState, float, dict[str, np.ndarray]]:
+    """Initial state (host arrays), loss and gradients of the first batch on one device."""
+    setup = build_setup(make_config(MeshConfig(data=1)), jax.devices()[:1])
+    state = jax.device_get(init_state(setup, 0))
+    batch = first_batch(setup)
+    grad_fn = compile_fast(jax.jit(jax.value_and_grad(lambda p, b: loss_fn(setup, p, b))),
+                           state.params, batch)
+    loss, grads = grad_fn(state.params, batch)
+    return state, float(loss), flat(grads)
+
+
+def compile_fast(jitted: Any, *args: Any) -> jax.stages.Compiled:
+    """``jitted`` compiled ahead of time for ``args`` with ``FAST_COMPILE``."""
+    return jitted.lower(*args).compile(compiler_options=FAST_COMPILE)
+
+
+def first_batch(setup: TrainSetup, index: int = 0) -> dict[str, jax.Array]:
+    batches, _ = data_lib.make_batches("synthetic", BATCH, SEQ, 0)
+    return data_lib.global_batch(batches, index, setup.batch_sharding)
+
+
+def flat(tree: nnx.State) -> dict[str, np.ndarray]:
+    return {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(tree)}
+
+
+def pipeline_both(mesh: MeshConfig, microbatches: int) -> dict[str, tuple[float, dict]]:
+    """Loss and gradients under GPipe and 1F1B, through one compiled step (the tick table
+    is traced; 1F1B's buffers are padded to GPipe's)."""
+    setup = build_setup(make_config(mesh, microbatches=microbatches),
+                        jax.devices()[:mesh.data * mesh.fsdp * mesh.pipeline])
+    params = jax.device_put(reference()[0].params, setup.state_shardings.params)
+    gpipe = build("gpipe", mesh.pipeline, microbatches)
+    f1b1 = with_slots(build("1f1b", mesh.pipeline, microbatches), gpipe.act_slots,
+                      gpipe.grad_slots)
+    step = jax.jit(lambda p, b, t: pipeline.loss_and_grads(setup, p, b, jnp.float32(1.0),
+                                                           gpipe, t))
+    batch, out = first_batch(setup), {}
+    step = compile_fast(step, params, batch, pipeline.tables(gpipe))
+    for schedule in (gpipe, f1b1):
+        loss, grads = step(params, batch, pipeline.tables(schedule))
+        out[schedule.name] = (float(loss), flat(grads))
+    return out
+
+
+# pipeline=2 runs with data=2 and fsdp=2 too, pipeline=4 with fsdp=2: the compositions
+# come at no extra compile.
+MESHES = {2: MeshConfig(data=2, fsdp=2, pipeline=2), 4: MeshConfig(data=1, fsdp=2, pipeline=4)}
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("per_stage", [1, 2, 4])
+def test_schedules_match_unpipelined(stages: int, per_stage: int):
+    _, ref_loss, ref_grads = reference()
+    results = pipeline_both(MESHES[stages], stages * per_stage)
+    for name, (loss, grads) in results.items():
+        assert abs(loss - ref_loss) < 1e-5, name
+        assert set(grads) == set(ref_grads)
+        worst = max(relative_error(grads[k], ref_grads[k]) for k in ref_grads)
+        assert worst < 1e-5, (name, worst)
+
+
+def train_losses(mesh: MeshConfig, steps: int = 3) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Losses of ``steps`` train steps from the reference initial state, and the params."""
+    setup = build_setup(make_config(mesh, microbatches=4, steps=steps),
+                        jax.devices()[:mesh.data * mesh.fsdp * mesh.pipeline])
+    state = jax.device_put(reference()[0], setup.state_shardings)
+    step, losses = compile_fast(make_train_step(setup), state, first_batch(setup)), []
+    for i in range(steps):
+        state, metrics = step(state, first_batch(setup, i))
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), flat(state.params)
+
+
+def test_training_pipeline4_data2_matches_single_device():
+    ref_losses, ref_params = train_losses(MeshConfig(data=1))
+    losses, params = train_losses(MeshConfig(data=2, pipeline=4))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert max(relative_error(params[k], ref_params[k]) for k in ref_params) < 1e-5
+
+
+# --- config and errors --------------------------------------------------------------------
+
+def test_cli_selects_pipeline():
+    config = apply_overrides(Config(), ["pipeline.schedule=gpipe", "pipeline.microbatches=8"])
+    assert config.pipeline == PipelineConfig(schedule="gpipe", microbatches=8)
+    assert parse_mesh("pipeline=4,data=2").degrees()["pipeline"] == 4
+
+
+@pytest.mark.parametrize("mesh, changes, needle", [
+    (MeshConfig(data=2, pipeline=4), {"num_layers": 6},
+     "model.num_layers=6 is not divisible by pipeline=4"),
+    (MeshConfig(data=2, pipeline=4), {"microbatches": 2},
+     r"pipeline.microbatches=2 < pipeline=4"),
+    (MeshConfig(data=2, pipeline=4), {"microbatches": 5},
+     "train.batch_size=32 does not split into pipeline.microbatches=5"),
+    (MeshConfig(data=1, tensor=2, pipeline=4), {}, "pipeline=4 with tensor=2"),
+    (MeshConfig(data=2, pipeline=4), {"schedule": "zb"}, "pipeline.schedule='zb'"),
+    (MeshConfig(data=2, pipeline=4), {"scan_layers": False}, "model.scan_layers=false"),
+    (MeshConfig(data=2, pipeline=4), {"grad_accum": 2}, "train.grad_accum=2 with pipeline"),
+    (MeshConfig(data=2, pipeline=4), {"grad_dtype": "bf16"}, "comm.* gradient options"),
+])
+def test_errors_name_field_value_and_fix(mesh: MeshConfig, changes: dict, needle: str):
+    config = make_config(mesh)
+    pipe = {k: v for k, v in changes.items() if k in ("microbatches", "schedule")}
+    train = {k: v for k, v in changes.items() if k == "grad_accum"}
+    comm = {k: v for k, v in changes.items() if k == "grad_dtype"}
+    model = {k: v for k, v in changes.items() if k not in {**pipe, **train, **comm}}
+    config = dataclasses.replace(
+        config, pipeline=dataclasses.replace(config.pipeline, **pipe),
+        train=dataclasses.replace(config.train, **train),
+        comm=dataclasses.replace(config.comm, **comm),
+        model=dataclasses.replace(config.model, **model))
+    with pytest.raises(ConfigError, match=needle):
+        build_setup(config)
+
+
+def test_auto_microbatches_fill_up_to_four_per_stage():
+    assert pipeline.resolve_microbatches(make_config(MeshConfig()), {"pipeline": 2}) == 8
+    sizes = {"pipeline": 4, "data": 2, "fsdp": 2}  # 8 rows per shard: 8 microbatches of 1
+    assert pipeline.resolve_microbatches(make_config(MeshConfig()), sizes) == 8
+    sizes = {"pipeline": 3, "data": 2}  # 16 rows per shard: 8 of 2 (12 does not divide)
+    assert pipeline.resolve_microbatches(make_config(MeshConfig()), sizes) == 8
