@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import math
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +75,23 @@ def test_linear_has_autodiffs_gradients(spec, x_shape, w_shape):
     for got, want in zip(grads, expected, strict=True):
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_step_time_waits_for_the_results():
+    """Steps run asynchronously: a row's step time must cover the wait for its metrics,
+    not only the dispatch (else tokens/s and MFU come out many times too high)."""
+    from shardlib.train.loop import _rows
+
+    a_nn = jnp.eye(1024) * 0.5
+    chain = jax.jit(lambda a: jnp.sum(jax.lax.fori_loop(0, 24, lambda _, x: x @ a, a)))
+    chain(a_nn).block_until_ready()  # compiled
+    since = time.perf_counter()
+    loss = chain(a_nn)  # dispatched, still running
+    rows = _rows([(1, {"loss": loss})], since, tokens=100)
+    elapsed = time.perf_counter() - since
+    assert elapsed > 0.05  # the work took long enough to tell dispatch from completion
+    assert rows[0]["step_time_s"] >= 0.9 * elapsed
+    assert rows[0]["tokens_per_sec"] == pytest.approx(100 / rows[0]["step_time_s"])
 
 
 def test_profile_steps_are_parsed_and_checked():

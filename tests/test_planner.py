@@ -245,6 +245,23 @@ def test_switching_from_fsdp_to_data_gathers_the_whole_state():
     assert switch_bytes(TINY, fsdp, data) == pytest.approx(expected, rel=1e-6)
 
 
+def test_pick_is_a_sure_fit_before_a_faster_borderline_one():
+    """An uncompiled candidate whose estimate is near the budget is shown, not picked, while
+    a candidate sure to fit exists; alone, it is the pick (rather than none)."""
+    budget = 10**9
+
+    def scored(memory: int, step_s: float, **sizes: int) -> search.Scored:
+        figures = cost.Figures(1.0, {}, memory, "analytic")
+        return search.Scored(cand(**sizes), figures, cost.Estimate(step_s, step_s, 0, 0),
+                             search.verdict(memory, budget, exact=False))
+
+    near, sure = scored(budget, 1.0, data=8), scored(budget // 2, 2.0, fsdp=8)
+    assert (near.verdict, sure.verdict) == ("borderline", "fits")
+    result = search.Plan(TINY, 8, H100, budget, [near, sure], [], [])
+    assert result.best is sure
+    assert dataclasses.replace(result, ranked=[near]).best is near
+
+
 # --------------------------------------------------------------------------- auto / CLI
 def test_mesh_auto_resolves_to_a_concrete_mesh():
     auto = dataclasses.replace(TINY, mesh=parse_mesh("auto"))

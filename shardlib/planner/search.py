@@ -82,7 +82,10 @@ class Plan:
 
     @property
     def best(self) -> Scored | None:
-        return self.ranked[0] if self.ranked else None
+        """The fastest sure fit; a borderline (uncompiled, near the budget) candidate only
+        when nothing is sure to fit."""
+        sure = (s for s in self.ranked if s.verdict == "fits")
+        return next(sure, self.ranked[0] if self.ranked else None)
 
 
 def verdict(memory_bytes: int, budget: int, exact: bool, margin: float = MEMORY_MARGIN) -> str:
