@@ -64,6 +64,8 @@ def bench_model(name: str, args: argparse.Namespace, devices, root: Path) -> dic
     step_fn = make_train_step(setup).lower(state, batch).compile()
     keep_fn = make_train_step(setup, donate=False).lower(state, batch).compile()
 
+    save_calls = []
+
     def run(state, count: int, save_step: int | None = None):
         """``count`` steps, the first after an async save if ``save_step``; returns the
         state and how long the loop was held up before the first step was dispatched."""
@@ -71,6 +73,7 @@ def bench_model(name: str, args: argparse.Namespace, devices, root: Path) -> dic
         first_fn = step_fn
         if save_step is not None:  # as the training loop does: no copy, a keeping step
             checkpointer.save(save_step, state, config, copy=args.copy)
+            save_calls.append(time.perf_counter() - start)
             first_fn = step_fn if args.copy else keep_fn
         state, _ = first_fn(state, batch)  # waits if it must reuse buffers being copied
         held = time.perf_counter() - start
@@ -105,7 +108,9 @@ def bench_model(name: str, args: argparse.Namespace, devices, root: Path) -> dic
     return {
         "model": name, "params": count_params(config.model), "mesh": args.mesh,
         "checkpoint_mib": size / 2**20, "step_s": step_s, "loop_steps": count,
-        "sync_save_s": sync_s, "stall_s": stall, "stall_ratio": stall / sync_s,
+        "sync_save_s": sync_s, "save_call_s": statistics.median(save_calls),
+        "save_call_ratio": statistics.median(save_calls) / sync_s,
+        "stall_s": stall, "stall_ratio": stall / sync_s,
         "loop_slowdown_s": slowdown, "slowdown_ratio": slowdown / sync_s,
         "write_after_loop_s": statistics.median(tails),
         "restore_s": restore_same, "restore_other_mesh_s": restore_other,
@@ -129,8 +134,11 @@ def report(row: dict) -> None:
     print(f"{row['model']} ({row['params'] / 1e6:.1f}M params, mesh {row['mesh']}, "
           f"checkpoint {row['checkpoint_mib']:.1f} MiB, step {row['step_s']:.3f} s)")
     print(f"  sync save            {row['sync_save_s']:8.3f} s")
-    print(f"  async stall (save()) {row['stall_s']:8.3f} s   "
-          f"({100 * row['stall_ratio']:.1f}% of sync; goal < 10%)")
+    print(f"  save() returns after {row['save_call_s']:8.3f} s   "
+          f"({100 * row['save_call_ratio']:.1f}% of sync)")
+    print(f"  async stall          {row['stall_s']:8.3f} s   "
+          f"({100 * row['stall_ratio']:.1f}% of sync; goal < 10%: save() + the extra wait "
+          f"to dispatch the next step)")
     print(f"  loop slowdown        {row['loop_slowdown_s']:8.3f} s   "
           f"({100 * row['slowdown_ratio']:.1f}% of sync, over {row['loop_steps']} steps; "
           f"write left after them {row['write_after_loop_s']:.3f} s)")
