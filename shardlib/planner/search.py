@@ -9,7 +9,8 @@ promising ones ahead of time (abstract inputs, nothing allocated) for exact figu
    ``compile_top`` candidates, and borderline ones that could still win. A candidate whose
    lower bound (its analytic time: theory bytes are a minimum) already loses to the best
    compiled one is pruned without compiling. Compiled figures are cached on disk.
-4. Rank what fits by predicted step time; the first is the pick.
+4. Rank what fits by predicted step time; the pick is the first sure to fit (a borderline
+   estimate, never compiled, only when nothing else fits).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from shardlib import observe
 from shardlib.checkpoint import Checkpointer, open_for_training
 from shardlib.config import Config
 from shardlib.models import count_params
+from shardlib.parallel import comm
 from shardlib.reporting import NullReporter, Reporter
 from shardlib.train.generate import generate
 from shardlib.train.state import TrainSetup, TrainState, build_setup, init_state
@@ -159,8 +160,6 @@ def _serial_steps(setup: TrainSetup) -> bool:
     on simulated CPU devices: XLA CPU may run the collectives of two overlapping steps at
     once, and on a loaded host they can take every thread of its pool while a peer device
     waits (a deadlock seen with the all-to-all + all-gather reduction, never with XLA's)."""
-    from shardlib.parallel import comm
-
     return comm.enabled(setup.config.comm) and setup.mesh.devices.flat[0].platform == "cpu"
 
 
