@@ -19,14 +19,6 @@ from tests.inspect_cases import CASES, inspection
 
 MAX_RATIO, MIN_RATIO = 1.05, 0.95
 
-# Known gaps, measured on jax 0.10 CPU (tiny model): strict, so a fix shows up as XPASS.
-SP_GAP = pytest.mark.xfail(strict=True, reason=(
-    "SP measures 1.71x theory: XLA CPU emulates the reduce-scatters as all-reduce + slice and "
-    "re-gathers inputs in backward; needs an explicit psum_scatter path"))
-FSDP_TP_GAP = pytest.mark.xfail(strict=True, reason=(
-    "FSDP+TP measures 1.77x theory: it keeps XLA's automatic FSDP (partial-manual shard_map "
-    "gathers tensor-split weights in jax 0.10), so the gradient reduce-scatter is emulated"))
-KNOWN_GAPS = {"sp": SP_GAP, "fsdp_tp": FSDP_TP_GAP}
 SCALARS = 1024  # bytes per run below which a collective is a scalar reduction, not a tensor
 
 
@@ -127,7 +119,6 @@ def test_tp_all_reduces_activations_over_tensor_per_layer():
                  "TP all-reduces over tensor")
 
 
-@SP_GAP
 def test_sp_replaces_the_all_reduces_with_reduce_scatter_and_all_gather():
     ins = inspection("sp")
     layers, ax = ins.setup.config.model.num_layers, ("tensor",)
@@ -139,7 +130,6 @@ def test_sp_replaces_the_all_reduces_with_reduce_scatter_and_all_gather():
         assert_close(step_bytes(on(ins, ax, kind)), theory_bytes(ins, ax, kind), f"SP {kind}")
 
 
-@FSDP_TP_GAP
 def test_fsdp_tp_gathers_over_fsdp_and_keeps_weights_split_over_tensor():
     ins = inspection("fsdp_tp")
     layers = ins.setup.config.model.num_layers
@@ -154,7 +144,7 @@ def test_fsdp_tp_gathers_over_fsdp_and_keeps_weights_split_over_tensor():
 
 
 # ----------------------------------------------------------------------------- ratios
-@pytest.mark.parametrize("name", [pytest.param(n, marks=KNOWN_GAPS.get(n, ())) for n in CASES])
+@pytest.mark.parametrize("name", list(CASES))
 def test_measured_over_theory_within_five_percent(name):
     ins = inspection(name)
     assert_close(ins.comm_bytes, ins.theory_comm_bytes, f"{name} total")

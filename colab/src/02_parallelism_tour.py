@@ -172,9 +172,10 @@ show("TP")
 # Between the tensor-parallel regions (norms, residual adds) the activations are split
 # along the sequence over `tensor` too, so they no longer sit 4 times on 4 devices. Each
 # all-reduce becomes a **reduce-scatter** (into the sequence split) plus an **all-gather**
-# (back to the full sequence before the next TP region): the same bytes on a GPU/TPU, less
-# activation memory. (On CPU, XLA emulates reduce-scatter with all-reduce + slice, so the
-# measured bytes exceed the theory; the table marks those rows.)
+# (back to the full sequence before the next TP region): the same bytes, less activation
+# memory. (shardlib writes these collectives out in a `shard_map`,
+# `shardlib/parallel/tensor.py`, so they are real reduce-scatters even on CPU, where
+# XLA's own would be an all-reduce + slice.)
 
 # %%
 show("SP")

@@ -8,12 +8,14 @@ fsdp-split dim, and autodiff transposes that all-gather into ``psum_scatter`` (a
 reduce-scatter) and the implicit broadcast over ``data`` into an all-reduce of the
 shard.
 
-Only for meshes whose axes > 1 are all batch axes (``data``, ``fsdp``). In jax/XLA
-0.10 a partial-manual shard_map handles the remaining automatic axes badly: operands
-split over ``tensor`` are all-gathered at the boundary (TP lost, more bytes than the
-emulated reduce-scatter saves), and a ``sequence`` axis aborts the SPMD partitioner.
-Those meshes keep XLA's automatic path, whose CPU gradient is the all-reduce +
-dynamic-slice that ``shardlib inspect`` flags (GPU/TPU turn it into a reduce-scatter).
+Only for meshes whose axes > 1 are all batch axes (``data``, ``fsdp``). With ``tensor``
+also > 1 (a dense model, no other axis), ``parallel.tensor`` runs the loss in a shard_map
+manual over every axis and reuses ``gather_params`` there: in jax/XLA 0.10 a
+partial-manual shard_map all-gathers tensor-split operands at its boundary, and a
+``sequence`` axis aborts the SPMD partitioner. The remaining meshes (``sequence``,
+``expert``, MoE with ``tensor``) keep XLA's automatic path, whose CPU gradient is the
+all-reduce + dynamic-slice that ``shardlib inspect`` flags (GPU/TPU turn it into a
+reduce-scatter).
 """
 
 from __future__ import annotations
@@ -68,6 +70,15 @@ def gather_params(params: nnx.State, specs: nnx.State) -> nnx.State:
     return jax.tree.map(gather, params, specs)
 
 
+def gather_and_cast(params_shard: nnx.State, specs: nnx.State,
+                    cast: Callable[[nnx.State], nnx.State]) -> nnx.State:
+    """``gather_params`` and ``cast`` (to the compute dtype), cast first except on CPU,
+    whose collectives must stay in the parameter dtype (see ``fsdp_loss``)."""
+    if jax.default_backend() == "cpu":
+        return cast(gather_params(params_shard, specs))
+    return gather_params(cast(params_shard), specs)
+
+
 def fsdp_loss(loss_fn: Callable[[nnx.State, dict], jax.Array], params: nnx.State, batch: dict,
               *, mesh: jax.sharding.Mesh, param_specs: nnx.State,
               cast: Callable[[nnx.State], nnx.State] = lambda p: p) -> jax.Array:
@@ -90,10 +101,7 @@ def fsdp_loss(loss_fn: Callable[[nnx.State, dict], jax.Array], params: nnx.State
             # Varying over data *before* the gather: the gradient is reduce-scattered over
             # fsdp first, then only the shard is all-reduced over data.
             params_shard = jax.lax.pcast(params_shard, "data", to="varying")
-        if jax.default_backend() == "cpu":
-            full = cast(gather_params(params_shard, param_specs))
-        else:
-            full = gather_params(cast(params_shard), param_specs)
+        full = gather_and_cast(params_shard, param_specs, cast)
         return jax.lax.pmean(loss_fn(full, batch_shard), axes)
 
     return jax.shard_map(

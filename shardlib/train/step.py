@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlib import precision
 from shardlib.models.moe import moe_objective
-from shardlib.parallel import comm, context, diloco, fsdp, pipeline
+from shardlib.parallel import comm, context, diloco, fsdp, pipeline, tensor
 from shardlib.sharding import Rules, activation_rules
 from shardlib.train.state import TrainSetup, TrainState, lr_schedule
 
@@ -34,7 +34,7 @@ def model_loss(setup: TrainSetup, rules: Rules, params: nnx.State,
     with activation_rules(setup.mesh, rules), context.context_parallel(cp_method):
         logits_btv, moe_stats = nnx.merge(setup.graphdef, params).forward(batch["inputs"])
     logits_btv = logits_btv.astype(setup.policy.output)
-    losses_bt = optax.softmax_cross_entropy_with_integer_labels(logits_btv, batch["targets"])
+    losses_bt = tensor.cross_entropy(logits_btv, batch["targets"])  # vocab-parallel if TP
     penalty, moe_metrics = moe_objective(setup.config.model, moe_stats)
     loss = jnp.mean(losses_bt)
     return loss + penalty.astype(loss.dtype), {"loss": loss, **moe_metrics}
@@ -48,9 +48,17 @@ def loss_fn(setup: TrainSetup, params: nnx.State, batch: Batch) -> jax.Array:
 def loss_and_metrics(setup: TrainSetup, params: nnx.State,
                      batch: Batch) -> tuple[jax.Array, Metrics]:
     """The training objective and its parts, parameters cast to the compute dtype. With
-    ``fsdp`` > 1 (and only batch axes) the parameter gathers are explicit, so the gradient
-    is a real reduce-scatter on every backend (see ``parallel.fsdp``)."""
+    ``tensor`` > 1 (dense model, data/fsdp/tensor mesh) Megatron TP/SP and the fsdp
+    gathers are explicit (``parallel.tensor``); with ``fsdp`` > 1 and only batch axes the
+    gathers are (``parallel.fsdp``): either way the gradient is a real reduce-scatter on
+    every backend."""
     cast = partial(precision.cast_params, policy=setup.policy)  # before gathers: fewer bytes
+    if explicit_tensor_applies(setup):
+        specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
+        return tensor.tensor_loss(
+            partial(model_loss, setup, {}), params, batch, mesh=setup.mesh, param_specs=specs,
+            batch_spec=setup.batch_sharding.spec, cast=cast,
+            sequence_parallel=setup.config.mesh.sequence_parallel)
     if not fsdp.explicit_fsdp_applies(setup.sizes):
         return model_loss(setup, setup.rules, cast(params), batch)
     manual = fsdp.manual_axes(setup.sizes)
@@ -59,6 +67,14 @@ def loss_and_metrics(setup: TrainSetup, params: nnx.State,
     specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
     return fsdp.fsdp_loss(partial(model_loss, setup, local_rules), params, batch,
                           mesh=setup.mesh, param_specs=specs, cast=cast)
+
+
+def explicit_tensor_applies(setup: TrainSetup) -> bool:
+    """Whether ``loss_and_metrics`` runs Megatron TP/SP by hand (``parallel.tensor``)."""
+    config = setup.config
+    return tensor.applies(setup.sizes, setup.rules, num_experts=config.model.num_experts,
+                          seq_len=config.train.seq_len,
+                          sequence_parallel=config.mesh.sequence_parallel)
 
 
 def microbatches(setup: TrainSetup, batch: Batch, count: int) -> Batch:

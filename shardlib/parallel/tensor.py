@@ -1,0 +1,160 @@
+"""Explicit Megatron tensor parallelism (TP) and sequence parallelism (SP) over ``tensor``.
+
+The loss runs in one ``jax.shard_map`` manual over *every* mesh axis (batch over
+``data``/``fsdp``, weights over ``fsdp``/``tensor``): in jax/XLA 0.10 a partial-manual
+shard_map all-gathers tensor-split operands at its boundary. The model is the ordinary
+one; its hook points below are the identity unless ``manual_tensor`` is active:
+
+- ``enter_region`` (Megatron's f) before a column-parallel projection. TP: the identity,
+  whose backward sums the input gradient over ``tensor`` (``pcast`` to varying transposes
+  to ``psum``). SP: all-gather the sequence-split residual stream along the sequence.
+- ``exit_region`` (Megatron's g) after a row-parallel projection. TP: ``psum`` of the
+  partial sums. SP: ``psum_scatter`` along the sequence, a real reduce-scatter on every
+  backend (XLA CPU emulates GSPMD's own as all-reduce + slice, twice the bytes).
+- ``vocab_lookup``, ``sequence_rows`` and ``cross_entropy``: the vocab-parallel embedding
+  (mask foreign tokens, local take, g), this device's rows of a position table under SP,
+  and a cross-entropy over vocab-split logits that exchanges only three (b, s) statistics.
+
+FSDP runs in the same shard_map (``parallel.fsdp.gather_params``): fsdp-split weights are
+all-gathered, so their gradients are reduce-scattered; ``data`` replicas all-reduce them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+from shardlib.parallel import fsdp
+
+AXIS = "tensor"
+SPLIT_DIMS = ("heads", "mlp", "vocab")  # the param dims the hooks expect split over tensor
+EXPLICIT_AXES = ("data", "fsdp", AXIS)  # meshes with other axes > 1 keep XLA's automatic path
+
+_MODE: contextvars.ContextVar[str | None] = contextvars.ContextVar("shardlib_tp", default=None)
+
+
+@contextlib.contextmanager
+def manual_tensor(*, sequence_parallel: bool) -> Iterator[None]:
+    """Within this block (while tracing, inside shard_map) the hooks run Megatron TP/SP."""
+    token = _MODE.set("sp" if sequence_parallel else "tp")
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+def mode() -> str | None:
+    """``"tp"``, ``"sp"`` or None (hooks are the identity)."""
+    return _MODE.get()
+
+
+# --- hooks the model calls -------------------------------------------------------------
+
+def enter_region(x_btd: jax.Array) -> jax.Array:
+    """Megatron's f, before a column-parallel projection: (B, T/t | T, D) -> (B, T, D)."""
+    if mode() == "tp":
+        return jax.lax.pcast(x_btd, AXIS, to="varying")
+    if mode() == "sp":
+        return jax.lax.all_gather(x_btd, AXIS, axis=1, tiled=True)
+    return x_btd
+
+
+def exit_region(y_btd: jax.Array) -> jax.Array:
+    """Megatron's g, after a row-parallel projection: partial (B, T, D) -> summed
+    (B, T, D) under TP, (B, T/t, D) under SP. Add row-parallel biases after it."""
+    if mode() == "tp":
+        return jax.lax.psum(y_btd, AXIS)
+    if mode() == "sp":
+        return jax.lax.psum_scatter(y_btd, AXIS, scatter_dimension=1, tiled=True)
+    return y_btd
+
+
+def sequence_rows(x_td: jax.Array) -> jax.Array:
+    """Rows of a (T, ...) table for this device's sequence slice (all of them unless SP)."""
+    if mode() != "sp":
+        return x_td
+    rows = x_td.shape[0] // jax.lax.axis_size(AXIS)
+    return jax.lax.dynamic_slice_in_dim(x_td, jax.lax.axis_index(AXIS) * rows, rows)
+
+
+def vocab_lookup(w_vd: jax.Array, tokens_bt: jax.Array) -> jax.Array:
+    """Embedding rows of ``tokens_bt``; with a vocab-split table each device looks up the
+    tokens in its range (zeros elsewhere) and g sums (TP) or scatters (SP) them."""
+    if mode() is None:
+        return jnp.take(w_vd, tokens_bt, axis=0)
+    local_bt, hit_bt = _local_ids(tokens_bt, w_vd.shape[0])
+    x_btd = jnp.where(hit_bt[..., None], jnp.take(w_vd, local_bt, axis=0), 0)
+    return exit_region(x_btd.astype(w_vd.dtype))
+
+
+def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
+    """Per-token cross-entropy (B, T). Vocab-split logits are never gathered: the max
+    (pmax), the sum of exponentials and the target's logit (psum) cross ``tensor``."""
+    if mode() is None:
+        return optax.softmax_cross_entropy_with_integer_labels(logits_btv, targets_bt)
+    # The loss does not depend on the shift m: stopping its gradient is exact.
+    m_bt = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits_btv, axis=-1)), AXIS)
+    shifted_btv = logits_btv - m_bt[..., None]
+    sum_exp_bt = jax.lax.psum(jnp.sum(jnp.exp(shifted_btv), axis=-1), AXIS)
+    local_bt, hit_bt = _local_ids(targets_bt, logits_btv.shape[-1])
+    picked_bt = jnp.take_along_axis(shifted_btv, local_bt[..., None], axis=-1)[..., 0]
+    target_bt = jax.lax.psum(jnp.where(hit_bt, picked_bt, 0), AXIS)
+    return jnp.log(sum_exp_bt) - target_bt
+
+
+def _local_ids(ids_bt: jax.Array, local_vocab: int) -> tuple[jax.Array, jax.Array]:
+    """Ids relative to this device's vocab range (clipped into it) and which fall in it."""
+    local_bt = ids_bt - jax.lax.axis_index(AXIS) * local_vocab
+    hit_bt = (local_bt >= 0) & (local_bt < local_vocab)
+    return jnp.clip(local_bt, 0, local_vocab - 1), hit_bt
+
+
+# --- when and how the loss runs explicitly --------------------------------------------
+
+def applies(sizes: Mapping[str, int], rules: Mapping[str, tuple[str, ...]], *,
+            num_experts: int, seq_len: int, sequence_parallel: bool) -> bool:
+    """Explicit TP for a dense model on a mesh of data/fsdp/tensor with tensor > 1 and
+    the preset tensor rules (heads, mlp, vocab over tensor; nothing else on tensor)."""
+    t = sizes.get(AXIS, 1)
+    if t == 1 or num_experts or any(n > 1 and a not in EXPLICIT_AXES for a, n in sizes.items()):
+        return False
+    if sequence_parallel and seq_len % t:
+        return False
+    params = ("embed", "head_dim", "layers", "position", *SPLIT_DIMS)
+    split_ok = all(tuple(rules.get(dim, ())) == (AXIS,) for dim in SPLIT_DIMS)
+    others_ok = all(set(rules.get(dim, ())) <= {"fsdp"} for dim in params
+                    if dim not in SPLIT_DIMS)
+    batch_ok = AXIS not in rules.get("act_batch", ()) and not rules.get("act_seq")
+    return split_ok and others_ok and batch_ok
+
+
+def tensor_loss(loss_fn: Callable[[nnx.State, dict], jax.Array], params: nnx.State,
+                batch: dict, *, mesh: Mesh, param_specs: nnx.State, batch_spec: PartitionSpec,
+                sequence_parallel: bool,
+                cast: Callable[[nnx.State], nnx.State] = lambda p: p) -> jax.Array:
+    """``loss_fn(params, batch)`` (a mean over the batch) with explicit TP/SP and FSDP.
+
+    ``loss_fn`` sees this device's tensor shard of every weight (fsdp gathered), its
+    batch slice and the hooks active; its result is averaged over the batch axes."""
+    batch_axes = fsdp.manual_axes(dict(mesh.shape))
+
+    def local_loss(params_shard: nnx.State, batch_shard: dict) -> jax.Array:
+        if "data" in batch_axes:  # reduce-scatter over fsdp first, then all-reduce shards
+            params_shard = jax.lax.pcast(params_shard, "data", to="varying")
+        local = fsdp.gather_and_cast(params_shard, param_specs, cast)
+        with manual_tensor(sequence_parallel=sequence_parallel):
+            out = loss_fn(local, batch_shard)
+        return jax.lax.pmean(out, batch_axes) if batch_axes else out
+
+    return jax.shard_map(
+        local_loss, mesh=mesh,
+        in_specs=(param_specs, jax.tree.map(lambda _: batch_spec, batch)),
+        out_specs=PartitionSpec(),
+    )(params, batch)
