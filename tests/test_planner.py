@@ -159,6 +159,31 @@ def test_flops_and_comm_follow_remat_and_microbatches():
     assert two["tensor"].bytes == pytest.approx(one["tensor"].bytes, rel=0.01)
 
 
+def test_memory_traffic_ranks_remat_where_bandwidth_is_scarce():
+    """Saved activations cost memory traffic: with little bandwidth per device (simulated
+    CPU devices) remat that saves less wins although it computes more; without the term
+    the FLOPs decide. Replicated optimizer state (data) moves more bytes than sharded."""
+    small = dataclasses.replace(TINY, model=get_preset("small"),
+                                train=dataclasses.replace(TINY.train, batch_size=16,
+                                                          seq_len=128))
+    traffic = {r: cost.memory_traffic(small, cand(r, data=8), 4, 4)
+               for r in ("none", "dots", "full")}
+    assert traffic["none"] > traffic["dots"] > traffic["full"] > 0
+    assert cost.memory_traffic(small, cand("dots", data=8), 4, 4) > \
+        cost.memory_traffic(small, cand("dots", fsdp=8), 4, 4) - \
+        2 * cost.gathered_bytes(small, cand("dots", fsdp=8), 4)
+    cpu_like = dataclasses.replace(H100, overlap=False, peak_flops={"float32": 1e11},
+                                   compute_efficiency=1.0, memory_bandwidth=2e9)
+    unmodelled = dataclasses.replace(cpu_like, memory_bandwidth=0.0)
+    step = {(r, name): search.analytic(small, cand(r, data=8), prof, 2**40).estimate.step_s
+            for r in ("none", "dots") for name, prof in (("cpu", cpu_like),
+                                                         ("flops", unmodelled))}
+    assert step["dots", "cpu"] < step["none", "cpu"]
+    assert step["none", "flops"] < step["dots", "flops"]
+    est = search.analytic(small, cand("none", data=8), cpu_like, 2**40).estimate
+    assert est.traffic_s == pytest.approx(traffic["none"] / 2e9)
+
+
 def test_links_follow_the_mesh_layout():
     sizes = {"data": 32, "fsdp": 8}
     assert profiles.link_for(H100, sizes, ("fsdp",)) == H100.intra
@@ -173,7 +198,7 @@ def test_cpu_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDLIB_CACHE", str(tmp_path))
     first = profiles.cpu_profile()
     assert first.flops("float32") > 1e6 and first.intra.bandwidth > 1e6
-    assert first.intra.latency >= 0 and not first.overlap
+    assert first.intra.latency >= 0 and not first.overlap and first.memory_bandwidth > 1e6
     monkeypatch.setattr(profiles, "measure_cpu", lambda *a, **k: pytest.fail("re-measured"))
     assert profiles.cpu_profile() == first
 

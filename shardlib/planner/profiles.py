@@ -52,6 +52,7 @@ class DeviceProfile:
     overlap: bool = True  # weight collectives run asynchronously under compute
     overlap_tax: float = 0.1  # fraction of overlapped collective time still paid
     native_reduce_scatter: bool = True  # False on XLA CPU: all-reduce + slice, 2x bytes
+    memory_bandwidth: float = 0.0  # bytes/s to the device's own memory (0: not modelled)
     source: str = "preset"
 
     def flops(self, dtype: str) -> float:
@@ -66,16 +67,19 @@ GIB = 2**30
 _NVLINK, _IB = Link(400e9, 5e-6), Link(45e9, 10e-6)  # NVLink 4 / NDR 400 Gb/s, achievable
 PRESETS: dict[str, DeviceProfile] = {
     # H100 SXM: 989 TFLOP/s bf16 dense; fp32 matmuls run as TF32 (JAX's default precision).
+    # HBM bandwidth: H100 SXM 3.35 TB/s, H200 4.8 TB/s, v5e 819 GB/s, v5p 2.76 TB/s.
     "h100": DeviceProfile("h100", {"bfloat16": 989e12, "float16": 989e12, "float32": 495e12},
-                          80 * GIB, 8, _NVLINK, _IB),
+                          80 * GIB, 8, _NVLINK, _IB, memory_bandwidth=3.35e12),
     "h200": DeviceProfile("h200", {"bfloat16": 989e12, "float16": 989e12, "float32": 495e12},
-                          141 * 10**9, 8, _NVLINK, _IB),
+                          141 * 10**9, 8, _NVLINK, _IB, memory_bandwidth=4.8e12),
     # TPU: fp32 matmuls run as one bf16 pass at JAX's default precision. ICI: a ring over
     # one torus axis uses two links; DCN: the host NICs shared by its chips.
     "v5e": DeviceProfile("v5e", {"bfloat16": 197e12, "float32": 197e12}, 16 * GIB, 256,
-                         Link(90e9, 5e-6), Link(6e9, 20e-6), compute_efficiency=0.65),
+                         Link(90e9, 5e-6), Link(6e9, 20e-6), compute_efficiency=0.65,
+                         memory_bandwidth=819e9),
     "v5p": DeviceProfile("v5p", {"bfloat16": 459e12, "float32": 459e12}, 95 * GIB, 8960,
-                         Link(180e9, 5e-6), Link(6e9, 20e-6), compute_efficiency=0.7),
+                         Link(180e9, 5e-6), Link(6e9, 20e-6), compute_efficiency=0.7,
+                         memory_bandwidth=2.76e12),
 }
 
 
@@ -154,7 +158,7 @@ def cpu_profile(*, refresh: bool = False) -> DeviceProfile:
     key = f"{len(devices)}dev-{os.cpu_count()}cpu-{platform.machine()}-jax{jax.__version__}"
     path = cache_dir() / "cpu_profiles.json"
     cached = _read_json(path)
-    if key in cached and not refresh:
+    if "memory_bandwidth" in cached.get(key, {}) and not refresh:
         return _profile_from_measurement(cached[key], len(devices))
     measured = measure_cpu(devices)
     cached[key] = measured
@@ -175,7 +179,7 @@ def _profile_from_measurement(m: Mapping[str, float], num_devices: int) -> Devic
     link = Link(m["bandwidth"], m["latency"])
     return DeviceProfile("cpu", {"float32": m["peak_flops"]}, memory, num_devices, link, link,
                          compute_efficiency=1.0, overlap=False, overlap_tax=0.0,
-                         native_reduce_scatter=False,
+                         native_reduce_scatter=False, memory_bandwidth=m["memory_bandwidth"],
                          source=f"measured on {num_devices} simulated CPU devices")
 
 
@@ -192,9 +196,12 @@ def _best_time(fn, *args, reps: int = 5) -> float:
     return best
 
 
-def measure_cpu(devices: list, size: int = 384, gather_bytes: int = 2**21) -> dict[str, float]:
-    """Per-device matmul FLOP/s with every device busy at once; all-gather bandwidth and
-    per-hop latency between the simulated devices (bytes *sent* per device / time)."""
+def measure_cpu(devices: list, size: int = 384, gather_bytes: int = 2**21,
+                stream_bytes: int = 2**25) -> dict[str, float]:
+    """Per-device matmul FLOP/s and memory bandwidth (an elementwise pass over
+    ``stream_bytes``, read and written) with every device busy at once; all-gather
+    bandwidth and per-hop latency between the simulated devices (bytes *sent* per device
+    / time)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -205,6 +212,10 @@ def measure_cpu(devices: list, size: int = 384, gather_bytes: int = 2**21) -> di
     a_nkk = jax.device_put(jnp.ones((n, size, size), jnp.float32), spec)
     matmul = jax.jit(lambda a: jnp.einsum("nij,njk->nik", a, a), out_shardings=spec)
     peak = 2 * size**3 / _best_time(matmul, a_nkk)
+    stream = jax.device_put(jnp.ones((n, stream_bytes // 4), jnp.float32), spec)
+    scale = jax.jit(lambda v: v * 1.0001, out_shardings=spec)
+    memory_bandwidth = 2 * stream_bytes / _best_time(scale, stream)
+    del stream
     rows = gather_bytes // 4 // 256
     x = jax.device_put(jnp.ones((n * rows, 256), jnp.float32), spec)
     gather = jax.jit(jax.shard_map(lambda v: jax.lax.all_gather(v, "d", tiled=True) * 1.0,
@@ -215,7 +226,8 @@ def measure_cpu(devices: list, size: int = 384, gather_bytes: int = 2**21) -> di
     tiny = jax.device_put(jnp.ones((n, 1), jnp.float32), spec)
     chain = [_best_time(_psum_chain(mesh, k), tiny) for k in (1, 33)]
     latency = max(chain[1] - chain[0], 0.0) / 32 / max(2 * (n - 1), 1)
-    return {"peak_flops": peak, "bandwidth": bandwidth, "latency": latency}
+    return {"peak_flops": peak, "bandwidth": bandwidth, "latency": latency,
+            "memory_bandwidth": memory_bandwidth}
 
 
 def _psum_chain(mesh, count: int):

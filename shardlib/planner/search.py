@@ -33,6 +33,7 @@ from shardlib.planner.cost import (
     compiled_comm,
     cross_compile_memory,
     flops_per_device,
+    memory_traffic,
     predict,
 )
 from shardlib.planner.profiles import DeviceProfile, cache_dir
@@ -118,7 +119,8 @@ def analytic(config: Config, cand: Candidate, profile: DeviceProfile, budget: in
     comm = analytic_comm(config, cand, profile, dt.gather_bytes, dt.grad_bytes)
     figures = Figures(flops_per_device(config, cand), comm,
                       analytic_memory(config, cand, dt.compute_bytes, dt.gather_bytes),
-                      "analytic")
+                      "analytic", traffic_bytes=memory_traffic(
+                          config, cand, dt.compute_bytes, dt.gather_bytes))
     return Scored(cand, figures, predict(figures, cand, profile, dt.compute),
                   verdict(figures.memory_bytes, budget, exact=False))
 
@@ -201,7 +203,8 @@ def compiled_figures(step: CompiledStep, config: Config, cand: Candidate,
     memory = step.memory_bytes - (cross_compile_memory(config, cand, compute_bytes)
                                   if cross else 0)
     return Figures(flops_per_device(config, cand), comm, memory, "compiled",
-                   step.state_bytes, step.compile_s)
+                   step.state_bytes, step.compile_s, memory_traffic(
+                       config, cand, compute_bytes, _dtypes(config, profile).gather_bytes))
 
 
 class CompileCache:
