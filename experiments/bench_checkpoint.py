@@ -70,12 +70,17 @@ def bench_model(name: str, args: argparse.Namespace, devices, root: Path) -> dic
         """``count`` steps, the first after an async save if ``save_step``; returns the
         state and how long the loop was held up before the first step was dispatched."""
         start = time.perf_counter()
-        first_fn = step_fn
-        if save_step is not None:  # as the training loop does: no copy, a keeping step
-            checkpointer.save(save_step, state, config, copy=args.copy)
+        if save_step is None:
+            state, _ = step_fn(state, batch)
+        elif args.copy:  # save a copy, then the donating step (waits for the copy)
+            checkpointer.save(save_step, state, config, copy=True)
             save_calls.append(time.perf_counter() - start)
-            first_fn = step_fn if args.copy else keep_fn
-        state, _ = first_fn(state, batch)  # waits if it must reuse buffers being copied
+            state, _ = step_fn(state, batch)
+        else:  # as the training loop does: the keeping step first, then the hand-off
+            saved, (state, _) = state, keep_fn(state, batch)
+            tick = time.perf_counter()
+            checkpointer.save(save_step, saved, config, copy=False)
+            save_calls.append(time.perf_counter() - tick)
         held = time.perf_counter() - start
         for _ in range(count - 1):
             state, _ = step_fn(state, batch)

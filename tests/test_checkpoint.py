@@ -83,6 +83,35 @@ def test_saved_config_is_the_runs_config(reference):
     assert saved == json.loads(json.dumps(to_dict(ckpt_config(ref_dir))))
 
 
+def test_saves_handed_over_after_the_next_dispatch_hold_their_steps(reference, tmp_path,
+                                                                    monkeypatch):
+    """With the non-donating step ready from the start, every in-loop save skips the copy
+    and starts only once the next step is dispatched; the steps saved are bitwise the
+    reference run's, and so are the losses."""
+    from shardlib.train import loop
+
+    def ready_at_once(setup, state, batch, checkpointer):
+        step_fn = make_train_step(setup, donate=False).lower(state, batch).compile()
+        return lambda: step_fn
+
+    calls, save = [], Checkpointer.save
+
+    def recording_save(self, step, state, config, **kwargs):
+        calls.append((step, kwargs.get("copy", True)))
+        return save(self, step, state, config, **kwargs)
+
+    monkeypatch.setattr(loop, "_keeping_step", ready_at_once)
+    monkeypatch.setattr(Checkpointer, "save", recording_save)
+    result = train(ckpt_config(tmp_path / "ckpt", every=5))
+    ref_result, ref_dir = reference
+    assert losses(result) == losses(ref_result)
+    assert [(5, False), (10, False), (15, False), (20, False)] == calls[:4]
+    setup = build_setup(ckpt_config(None), jax.devices()[:8])
+    for step in (10, 20):
+        assert_bitwise(host_leaves(Checkpointer(tmp_path / "ckpt").restore(setup, step)),
+                       host_leaves(Checkpointer(ref_dir).restore(setup, step)))
+
+
 # -- restore onto another mesh --------------------------------------------------------
 
 
