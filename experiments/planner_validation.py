@@ -15,9 +15,9 @@ top candidates compiled; the compiles here only fill its cache). Printed per mod
 Timing: each pass visits every candidate in turn (fresh state, one warm-up step, then
 ``--steps`` timed steps); a candidate's time is its fastest step over ``--passes`` passes,
 the figure least disturbed by other load on a shared machine. Writes
-``experiments/results/planner_validation.csv`` and ``.png``.
+``experiments/results/planner_validation_<model>.csv`` and ``.png`` (and ``.json``).
 
-    python experiments/planner_validation.py [--quick] [--models small,medium]
+    python experiments/planner_validation.py [--quick] [--models small,gpt2-small] [--passes 3] [--steps 3]
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="small,medium")
+    parser.add_argument("--models", default="small,gpt2-small")
     parser.add_argument("--remats", default="", help="default: per model (SETTINGS)")
     parser.add_argument("--microbatches", default="1")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per pass")
@@ -267,24 +267,22 @@ def main() -> None:
     saved.write_text(json.dumps(profile.to_dict()))
     print(f"cpu profile: {profile.peak_flops['float32'] / 1e9:.1f} GFLOP/s per device, "
           f"{profile.intra.bandwidth / 1e9:.2f} GB/s, {profile.intra.latency * 1e6:.1f} us/hop")
-    rows = []
     for model in args.models.split(","):
-        model_rows = validate(model, args, devices, profile)
-        rows += model_rows
-        s = summarize(model_rows)
+        rows = validate(model, args, devices, profile)
+        s = summarize(rows)
         print(f"{model}: spearman {s['spearman']:.3f} (all compiled "
               f"{s['spearman_all_compiled']:.3f}) over {s['timed']} timed; pick {s['pick']} "
               f"measured / best ({s['best']}) = {s['pick_over_best']:.3f}; memory verdicts "
               f"{s['verdicts_right']}/{s['verdicts']} right, {s['borderline']} borderline "
               "(near the budget, not compiled: slower than the pick)", flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    with open(RESULTS / "planner_validation.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    plot(rows, RESULTS / "planner_validation.png")
-    print(f"wrote {RESULTS / 'planner_validation.csv'} and .png")
-
+        RESULTS.mkdir(exist_ok=True)
+        path = RESULTS / f"planner_validation_{model}.csv"
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        plot(rows, path.with_suffix(".png"))
+        print(f"wrote {path} and .png", flush=True)
 
 if __name__ == "__main__":
     main()
