@@ -212,9 +212,10 @@ def measure_cpu(devices: list, size: int = 384, gather_bytes: int = 2**21,
     a_nkk = jax.device_put(jnp.ones((n, size, size), jnp.float32), spec)
     matmul = jax.jit(lambda a: jnp.einsum("nij,njk->nik", a, a), out_shardings=spec)
     peak = 2 * size**3 / _best_time(matmul, a_nkk)
-    stream = jax.device_put(jnp.ones((n, stream_bytes // 4), jnp.float32), spec)
+    per_device = min(stream_bytes, 2**30 // n)  # at most 1 GiB in all, however many devices
+    stream = jax.device_put(jnp.ones((n, per_device // 4), jnp.float32), spec)
     scale = jax.jit(lambda v: v * 1.0001, out_shardings=spec)
-    memory_bandwidth = 2 * stream_bytes / _best_time(scale, stream)
+    memory_bandwidth = 2 * per_device / _best_time(scale, stream)
     del stream
     rows = gather_bytes // 4 // 256
     x = jax.device_put(jnp.ones((n * rows, 256), jnp.float32), spec)
