@@ -271,6 +271,7 @@ def gathered_bytes(config: Config, cand: Candidate, gather_bytes: int) -> float:
     return copies * p_t * gather_bytes
 
 
+@functools.lru_cache(maxsize=4096)
 def explicit_path(config: Config, cand: Candidate) -> bool:
     """Whether the step gathers and reduce-scatters by hand (``parallel.fsdp``,
     ``parallel.tensor``): real reduce-scatters on every backend, and full gradients."""
@@ -303,10 +304,9 @@ def _state_bytes(config: Config, degrees: tuple[tuple[str, int], ...]) -> int:
 def cross_compile_memory(config: Config, cand: Candidate, compute_bytes: int) -> int:
     """Bytes an XLA CPU compile holds beyond a GPU/TPU one: explicit FSDP gathers the
     weights (and reduces their gradients) in fp32 on CPU, in the compute dtype elsewhere."""
-    if cand.sizes.get("fsdp", 1) == 1 or not explicit_path(config, cand) or compute_bytes >= 4:
+    if not explicit_path(config, cand) or compute_bytes >= 4:
         return 0
-    counts = param_counts(config.model)
-    return GATHER_COPIES[0] * counts.total * (4 - compute_bytes)
+    return round(gathered_bytes(config, cand, 4) - gathered_bytes(config, cand, compute_bytes))
 
 
 def local_tokens(config: Config, cand: Candidate) -> float:
