@@ -17,7 +17,8 @@ Timing: each pass visits every candidate in turn (fresh state, one warm-up step,
 the figure least disturbed by other load on a shared machine. Writes
 ``experiments/results/planner_validation_<model>.csv`` and ``.png`` (and ``.json``).
 
-    python experiments/planner_validation.py [--quick] [--models small,gpt2-small] [--passes 3] [--steps 3]
+    python experiments/planner_validation.py [--quick] [--models small,gpt2-small]
+        [--passes 3] [--steps 3]
 """
 
 from __future__ import annotations
@@ -283,6 +284,7 @@ def main() -> None:
             writer.writerows(rows)
         plot(rows, path.with_suffix(".png"))
         print(f"wrote {path} and .png", flush=True)
+
 
 if __name__ == "__main__":
     main()

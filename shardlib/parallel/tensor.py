@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,9 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from shardlib.parallel import fsdp
+
+if TYPE_CHECKING:
+    from shardlib.config import Config
 
 AXIS = "tensor"
 SPLIT_DIMS = ("heads", "mlp", "vocab")  # the param dims the hooks expect split over tensor
@@ -133,6 +137,15 @@ def applies(sizes: Mapping[str, int], rules: Mapping[str, tuple[str, ...]], *,
                     if dim not in SPLIT_DIMS)
     batch_ok = AXIS not in rules.get("act_batch", ()) and not rules.get("act_seq")
     return split_ok and others_ok and batch_ok
+
+
+def applies_to(config: Config, sizes: Mapping[str, int],
+               rules: Mapping[str, tuple[str, ...]]) -> bool:
+    """``applies`` for a ``Config`` (its model, sequence length and mesh options) on a
+    mesh of ``sizes`` with ``rules``: the one test the train step and the planner share."""
+    return applies(sizes, rules, num_experts=config.model.num_experts,
+                   seq_len=config.train.seq_len,
+                   sequence_parallel=config.mesh.sequence_parallel)
 
 
 def tensor_loss(loss_fn: Callable[[nnx.State, dict], jax.Array], params: nnx.State,

@@ -277,10 +277,9 @@ def explicit_path(config: Config, cand: Candidate) -> bool:
     ``parallel.tensor``): real reduce-scatters on every backend, and full gradients."""
     if explicit_fsdp_applies(cand.sizes):
         return True
-    mesh = cand.apply(config).mesh
-    return tensor.applies(cand.sizes, make_rules(mesh, cand.sizes),
-                          num_experts=config.model.num_experts, seq_len=config.train.seq_len,
-                          sequence_parallel=mesh.sequence_parallel)
+    config = cand.apply(config)
+    rules = make_rules(config.mesh, cand.sizes, config.rules)  # as build_setup makes them
+    return tensor.applies_to(config, cand.sizes, rules)
 
 
 def memory_traffic(config: Config, cand: Candidate, compute_bytes: int,

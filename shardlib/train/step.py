@@ -71,10 +71,7 @@ def loss_and_metrics(setup: TrainSetup, params: nnx.State,
 
 def explicit_tensor_applies(setup: TrainSetup) -> bool:
     """Whether ``loss_and_metrics`` runs Megatron TP/SP by hand (``parallel.tensor``)."""
-    config = setup.config
-    return tensor.applies(setup.sizes, setup.rules, num_experts=config.model.num_experts,
-                          seq_len=config.train.seq_len,
-                          sequence_parallel=config.mesh.sequence_parallel)
+    return tensor.applies_to(setup.config, setup.sizes, setup.rules)
 
 
 def microbatches(setup: TrainSetup, batch: Batch, count: int) -> Batch:
