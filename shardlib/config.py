@@ -28,6 +28,11 @@ class MeshConfig:
     pipeline: int = 1  # layers split into this many stages; microbatches streamed through
     sequence_parallel: bool = False  # Megatron SP: norms/residual split along seq over tensor
     zero: int = 0  # ZeRO stage over `data`: 1 optimizer state, 2 + grads, 3 + params (= fsdp)
+    # FSDP gathers each layer's weights inside the layer; after forward they are dropped
+    # and gathered again in backward: 3 (F-1)/F P bytes per step. false keeps them from
+    # forward: 2 (F-1)/F P bytes, but every layer's gathered weights stay alive until
+    # its backward (torchtitan's reshard_after_forward).
+    reshard_after_forward: bool = True
     auto: bool = False  # `--mesh auto`: shardlib.planner picks the degrees, remat, microbatches
 
     def degrees(self) -> dict[str, int]:

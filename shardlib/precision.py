@@ -73,9 +73,14 @@ cast.defvjp(_cast_fwd, _cast_bwd)
 
 
 def cast_params(params, policy: Policy):
-    """Every floating parameter in the compute dtype (no-op for fp32)."""
+    """Every floating parameter in the compute dtype (no-op for fp32). With the gradient
+    in the parameter dtype (every preset policy) a plain ``astype`` has the same
+    transpose as ``cast``, and stays a data-movement op that remat can recompute
+    (``hooks``: FSDP's gathered weights must not be saved)."""
     if policy.compute == policy.param and policy.grad == policy.param:
         return params
+    if policy.grad == policy.param:
+        return jax.tree.map(lambda p: p.astype(policy.compute), params)
     return jax.tree.map(lambda p: cast(p, policy.compute, policy.grad, p.dtype), params)
 
 

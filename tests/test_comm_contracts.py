@@ -12,7 +12,13 @@ import pytest
 
 from shardlib.analysis.hlo import Collective
 from shardlib.analysis.report import Inspection, per_axis
-from shardlib.analysis.theory import comm_bytes, comm_terms, param_counts, state_bytes_per_device
+from shardlib.analysis.theory import (
+    comm_bytes,
+    comm_terms,
+    param_counts,
+    state_bytes_per_device,
+    unit_elements,
+)
 from shardlib.config import Config, MeshConfig, TrainConfig
 from shardlib.models import count_params, get_preset
 from tests.inspect_cases import CASES, inspection
@@ -61,12 +67,21 @@ def test_param_counts_match_the_model(changes):
 def test_theory_reduces_to_the_design_formulas():
     model = get_preset("small")
     psi_bytes = 4 * count_params(model)
+    _, layer = unit_elements(model, {})
+    layers_bytes = 4 * layer * model.num_layers  # every weight but embedding and final norm
     train = TrainConfig(batch_size=8, seq_len=64)
     for mesh, state in [(MeshConfig(data=8), 3 * psi_bytes), (MeshConfig(data=1, fsdp=8),
                                                               3 * psi_bytes / 8)]:
         config, sizes = Config(mesh=mesh, model=model, train=train), mesh.degrees()
-        # DP: 2 (n-1)/n Psi b; FSDP without a backward re-gather: the same volume.
-        assert comm_bytes(comm_terms(config, sizes)) == pytest.approx(2 * 7 / 8 * psi_bytes, abs=2)
+        keep = dataclasses.replace(config, mesh=dataclasses.replace(
+            mesh, reshard_after_forward=False))
+        # DP: 2 (n-1)/n Psi b; FSDP keeping the gathered weights: the same volume.
+        assert comm_bytes(comm_terms(keep, sizes)) == pytest.approx(2 * 7 / 8 * psi_bytes, abs=2)
+        # FSDP re-gathering each layer in backward (the default): 3 (n-1)/n Psi b, less
+        # the weights outside the layers, which are gathered once.
+        regather = layers_bytes if mesh.fsdp > 1 else 0
+        assert comm_bytes(comm_terms(config, sizes)) == pytest.approx(
+            7 / 8 * (2 * psi_bytes + regather), abs=3)
         assert state_bytes_per_device(config, sizes) == pytest.approx(state, abs=1)  # 12 Psi / N
     # Megatron: 4 all-reduces of (b, s, d) per layer, b and s per device.
     mesh = MeshConfig(data=2, tensor=4)

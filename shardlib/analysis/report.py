@@ -23,10 +23,12 @@ from rich.table import Table
 from shardlib.analysis.flops import FlopsReport, flops_report
 from shardlib.analysis.hlo import Collective, comm_bytes_per_device, parse_collectives
 from shardlib.analysis.memory import MemoryReport, memory_report
+from shardlib.analysis.peak import PeakTerms, peak_terms
 from shardlib.analysis.theory import Term, comm_bytes, comm_terms, state_bytes_per_device
 from shardlib.config import Config, to_dict
 from shardlib.mesh import describe
 from shardlib.models import count_params
+from shardlib.parallel import tensor
 from shardlib.reporting import format_bytes, rules_line, sharding_table
 from shardlib.train.state import TrainSetup, abstract_state, build_setup, param_table
 from shardlib.train.step import make_train_step
@@ -40,6 +42,7 @@ class Inspection:
     collectives: list[Collective]
     terms: list[Term]
     memory: MemoryReport
+    peak: PeakTerms  # the formula the compiled peak is held against (``analysis.peak``)
     flops: FlopsReport
     compile_s: float
 
@@ -54,6 +57,12 @@ class Inspection:
     @property
     def comm_ratio(self) -> float | None:
         return _ratio(self.comm_bytes, self.theory_comm_bytes)
+
+    @property
+    def peak_ratio(self) -> float | None:
+        """Compiled per-device peak / the formula's."""
+        measured = self.memory.peak_bytes
+        return None if measured is None else _ratio(measured, self.peak.total)
 
 
 def _ratio(measured: float, theory: float) -> float | None:
@@ -86,7 +95,16 @@ def analyze(config: Config, devices: list[jax.Device] | None = None) -> Inspecti
     terms = comm_terms(config, setup.sizes)
     memory = memory_report(compiled, state, batch, state_bytes_per_device(config, setup.sizes))
     flops = flops_report(config, compiled, setup.mesh.devices.size)
-    return Inspection(setup, collectives, terms, memory, flops, compile_s)
+    return Inspection(setup, collectives, terms, memory, peak_formula(setup), flops, compile_s)
+
+
+def peak_formula(setup: TrainSetup) -> PeakTerms:
+    """``analysis.peak`` for this setup: its path, microbatches and dtypes."""
+    config, compute = setup.config, jnp.dtype(setup.policy.compute).itemsize
+    cpu = setup.mesh.devices.flat[0].platform == "cpu"
+    return peak_terms(config, setup.sizes, explicit=tensor.gathers_by_hand(config, setup.sizes),
+                      microbatches=config.train.grad_accum, compute_bytes=compute,
+                      gather_bytes=4 if cpu else compute, prefetch=not cpu)
 
 
 # ----------------------------------------------------------------------------- JSON
@@ -154,7 +172,9 @@ def to_json(ins: Inspection) -> dict[str, Any]:
         "comm_ratio": ins.comm_ratio,
         "emulated_reduce_scatters": sum(c.emulated_reduce_scatter for c in ins.collectives),
         "axes": per_axis(ins), "theory": [term_dict(t) for t in ins.terms],
-        "memory": ins.memory.to_dict(), "flops": ins.flops.to_dict(),
+        "memory": {**ins.memory.to_dict(), "peak_formula": ins.peak.to_dict(),
+                   "peak_ratio": ins.peak_ratio},
+        "flops": ins.flops.to_dict(),
         "params": param_rows(setup),
     }
 
@@ -213,7 +233,12 @@ def memory_table(ins: Inspection) -> Table:
              f"{format_bytes(m.opt_state_bytes)} / {format_bytes(m.batch_bytes)}"),
             ("state (params + opt) measured / theory",
              f"{format_bytes(m.state_bytes_per_device)} / "
-             f"{format_bytes(m.theory_state_bytes_per_device)} = {m.state_ratio:.3f}")]
+             f"{format_bytes(m.theory_state_bytes_per_device)} = {m.state_ratio:.3f}"),
+            ("peak measured / formula", f"{opt(m.peak_bytes)} / {format_bytes(ins.peak.total)}"
+             f" = {_fmt_ratio(ins.peak_ratio)}"),
+            ("  formula: state + grads/update + FSDP working set + activations",
+             " + ".join(format_bytes(v) for v in (ins.peak.state, ins.peak.update,
+                                                  ins.peak.working_set, ins.peak.activations)))]
     for key, value in rows:
         table.add_row(key, value)
     return table

@@ -26,6 +26,7 @@ from fractions import Fraction
 
 from shardlib.config import Config, ModelConfig
 from shardlib.models.moe import capacity
+from shardlib.parallel import tensor
 from shardlib.parallel.context import attention_comm_blocks
 
 ACT_BYTES = 4  # activations and their gradients are fp32 in the model
@@ -142,22 +143,41 @@ def _term(name: str, axes: Iterable[str], kind: str, n: int, nbytes: Fraction, r
     return Term(name, tuple(axes), kind, round(runs * _ring(kind, n, nbytes)), formula)
 
 
-def fsdp_terms(g: Geometry) -> list[Term]:
-    """ZeRO-3 over ``fsdp``: gather every weight once for forward and backward, then
-    reduce-scatter the gradient: ``2 (F-1)/F P_t`` in all.
+def unit_elements(model: ModelConfig, sizes: Mapping[str, int]) -> tuple[float, float]:
+    """(weights outside the layers, one layer's weights on average): elements per device
+    with the tensor (and expert) splits applied but not fsdp's, i.e. ``P_t`` cut into
+    FSDP units (``hooks.gather_weights``)."""
+    d, t, x = model.d_model, sizes.get("tensor", 1), sizes.get("expert", 1)
+    counts = param_counts(model)
+    embed = model.vocab_size * d * (1 if model.tie_embeddings else 2)  # + untied head
+    pos = model.max_seq_len * d if model.pos_embedding == "learned" else 0
+    outside = embed / t + d + pos  # final norm, positions replicated over tensor
+    layers = ((counts.tensor_split - embed) / t + counts.tensor_replicated - d - pos
+              + counts.expert_split / (t * x))
+    return outside, layers / model.num_layers
 
-    The ZeRO paper's ``3 (F-1)/F`` re-gathers the weights in backward to free them after
-    forward; shardlib's FSDP keeps the gathered weights for backward (no rematerialisation),
-    so the minimum it can reach is one gather. The embedding is gathered like any weight.
-    """
+
+def fsdp_terms(g: Geometry, regather: bool) -> list[Term]:
+    """ZeRO-3 over ``fsdp``: gather every weight for forward, gather each layer's weights
+    again in backward when they were dropped after forward (``regather``:
+    ``mesh.reshard_after_forward`` on the explicit paths), reduce-scatter the gradient:
+    ``3 (F-1)/F P_t`` less the weights outside the layers, which are gathered once
+    (embedding, final norm, head: used at both ends of the model), or ``2 (F-1)/F P_t``
+    without the re-gather."""
     f = g.n("fsdp")
     if f == 1:
         return []
     p_t = g.params_tensor_split
-    return [
+    terms = [
         _term("params all-gather", ["fsdp"], "all-gather", f, p_t, 1, "(F-1)/F P_t"),
         _term("grads reduce-scatter", ["fsdp"], "reduce-scatter", f, p_t, 1, "(F-1)/F P_t"),
     ]
+    if regather:
+        _, layer = unit_elements(g.model, g.sizes)
+        p_layers = Fraction(round(layer * g.model.num_layers)) * g.param_bytes
+        terms.insert(1, _term("layers re-gather (backward)", ["fsdp"], "all-gather", f,
+                              p_layers, 1, "(F-1)/F P_t,layers"))
+    return terms
 
 
 def replica_terms(g: Geometry) -> list[Term]:
@@ -286,7 +306,8 @@ def comm_terms(config: Config, sizes: Mapping[str, int],
                param_bytes: int = PARAM_BYTES) -> list[Term]:
     """Every expected collective pattern of one training step of ``config``."""
     g = geometry(config, sizes, param_bytes)
-    return [*fsdp_terms(g), *replica_terms(g), *tensor_terms(g),
+    regather = config.mesh.reshard_after_forward and tensor.gathers_by_hand(config, sizes)
+    return [*fsdp_terms(g, regather), *replica_terms(g), *tensor_terms(g),
             *context_terms(g, config.attention.context_parallel),
             *expert_terms(g)]
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardlib import hooks
 from shardlib.config import ModelConfig
 from shardlib.models.layers import (
     MLP,
@@ -20,6 +21,7 @@ from shardlib.models.layers import (
     Embed,
     LayerNorm,
     RMSNorm,
+    call_gathered,
     normal,
     param,
     remat,
@@ -118,7 +120,7 @@ class GPT(nnx.Module):
             x_btd = scan_layers(self.blocks, x_btd, self.cfg.remat)
         else:
             for block in self.blocks:
-                x_btd = remat(lambda x, b=block: b(x), self.cfg.remat)(x_btd)
+                x_btd = remat(lambda x, b=block: call_gathered(b, x), self.cfg.remat)(x_btd)
         return self.head(x_btd), stats
 
     def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
@@ -136,6 +138,19 @@ class GPT(nnx.Module):
             return self.embed.attend(x_btd)
         logits_btv = jnp.einsum("btd,dv->btv", x_btd, self.w_head_dv[...])
         return constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"))
+
+
+def gather_outside_layers(params: nnx.State) -> nnx.State:
+    """Every weight outside ``blocks`` (embedding, positions, final norm, head) gathered
+    as one FSDP unit (``hooks.gather_weights``): used at both ends of the model (a tied
+    embedding is also the head), so it is gathered once and kept for backward; each
+    layer of ``blocks`` is its own unit, gathered inside the layer scan."""
+
+    def one(path: tuple, var: nnx.Variable) -> nnx.Variable:
+        return var if getattr(path[0], "key", None) == "blocks" else hooks.gather_weights(var)
+
+    return jax.tree_util.tree_map_with_path(one, params,
+                                            is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def count_params(cfg: ModelConfig) -> int:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardlib import hooks
 from shardlib.parallel import context, tensor
 from shardlib.sharding import constrain
 
@@ -152,11 +153,12 @@ class Attention(nnx.Module):
         # One einsum for q, k, v: under TP their input gradients are summed before the one
         # all-reduce (Megatron's f), not all-reduced one by one.
         if self.w_k_dhk.shape == self.w_q_dhk.shape:
-            w_cdhk = jnp.stack([self.w_q_dhk[...], self.w_k_dhk[...], self.w_v_dhk[...]])
+            w_cdhk = hooks.gathered(
+                jnp.stack([self.w_q_dhk[...], self.w_k_dhk[...], self.w_v_dhk[...]]))
             q_bthk, k_bthk, v_bthk = linear("btd,cdhk->cbthk", x_btd, w_cdhk)  # 3 x (B,T,H,K)
         else:  # GQA: K/V have fewer heads than q
             q_bthk = linear("btd,dhk->bthk", x_btd, self.w_q_dhk[...])
-            w_cdhk = jnp.stack([self.w_k_dhk[...], self.w_v_dhk[...]])
+            w_cdhk = hooks.gathered(jnp.stack([self.w_k_dhk[...], self.w_v_dhk[...]]))
             k_bthk, v_bthk = linear("btd,cdhk->cbthk", x_btd, w_cdhk)  # 2 x (B,T,KV,K)
         if self.use_bias:
             q_bthk, k_bthk, v_bthk = (q_bthk + self.b_q_hk[...], k_bthk + self.b_k_hk[...],
@@ -234,7 +236,7 @@ class MLP(nnx.Module):
         act = ACTIVATIONS[self.activation]
         x_btd = tensor.enter_region(x_btd)  # Megatron's f
         if self.gated:  # one einsum for gate and in: one input-gradient all-reduce under TP
-            w_cdf = jnp.stack([self.w_gate_df[...], self.w_in_df[...]])
+            w_cdf = hooks.gathered(jnp.stack([self.w_gate_df[...], self.w_in_df[...]]))
             gate_btf, h_btf = linear("btd,cdf->cbtf", x_btd, w_cdf)  # 2 x (B, T, F)
             if self.use_bias:
                 gate_btf, h_btf = gate_btf + self.b_gate_f[...], h_btf + self.b_in_f[...]
@@ -271,18 +273,28 @@ REMAT_POLICIES = {
 
 
 def remat(fn: Callable, policy: str) -> Callable:
-    """``fn`` under ``jax.checkpoint`` with a named policy ("none" returns ``fn``)."""
-    if policy == "none":
-        return fn
-    return jax.checkpoint(fn, policy=REMAT_POLICIES[policy])
+    """``fn`` (one layer) under ``jax.checkpoint`` with a named policy, adjusted for how
+    the active strategy gathers weights (``hooks.weights_policy``): under FSDP with
+    ``reshard_after_forward`` even ``"none"`` wraps the layer, so that its gathered
+    weights are dropped after forward and gathered again in backward."""
+    wrap, chosen = hooks.weights_policy(REMAT_POLICIES[policy])
+    return jax.checkpoint(fn, policy=chosen) if wrap else fn
+
+
+def call_gathered(module: nnx.Module, *args: jax.Array):
+    """``module(*args)`` with the module's weights gathered first: one FSDP unit."""
+    graphdef, state = nnx.split(module)
+    return nnx.merge(graphdef, hooks.gather_weights(state))(*args)
 
 
 def scan_layers(stacked: nnx.Module, x: jax.Array, remat_policy: str = "none") -> jax.Array:
-    """Apply the stacked layers in order with ``lax.scan`` (one compiled layer body)."""
+    """Apply the stacked layers in order with ``lax.scan`` (one compiled layer body).
+    Each layer's weights are gathered inside the body (``hooks.gather_weights``), so
+    under FSDP only one layer's whole weights are alive at a time."""
     graphdef, state = nnx.split(stacked)
 
     def body(carry: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, None]:
-        return nnx.merge(graphdef, layer_state)(carry), None
+        return nnx.merge(graphdef, hooks.gather_weights(layer_state))(carry), None
 
     x, _ = jax.lax.scan(remat(body, remat_policy), x, state)
     return x

@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardlib import hooks
 from shardlib.config import ModelConfig
 from shardlib.errors import ConfigError
-from shardlib.models.layers import normal, param
+from shardlib.models.layers import call_gathered, normal, param
 from shardlib.sharding import constrain
 
 MoEStats = dict[str, jax.Array]
@@ -193,12 +194,12 @@ def run_groups(blocks: nnx.Module, x_btd: jax.Array, cfg: ModelConfig,
     if not cfg.scan_layers:
         outs = []
         for group in blocks:
-            x_btd, stats = remat_fn(lambda x, g=group: g(x), cfg.remat)(x_btd)
+            x_btd, stats = remat_fn(lambda x, g=group: call_gathered(g, x), cfg.remat)(x_btd)
             outs.append(stats)
         return x_btd, jax.tree.map(lambda *s: jnp.stack(s), *outs)
     graphdef, state = nnx.split(blocks)
 
     def body(carry: jax.Array, group_state: nnx.State) -> tuple[jax.Array, MoEStats]:
-        return nnx.merge(graphdef, group_state)(carry)
+        return nnx.merge(graphdef, hooks.gather_weights(group_state))(carry)
 
     return jax.lax.scan(remat_fn(body, cfg.remat), x_btd, state)

@@ -7,8 +7,11 @@ over ``slow_axis`` (across hosts) in ``comm.grad_dtype``:
 
 - hierarchical: reduce-scatter over ``fast_axis`` (each device keeps the sum for its FSDP
   shard), all-reduce that shard over ``slow_axis``; the next step's parameter all-gather
-  over ``fast_axis`` completes it. The slow link carries 1/fast of the bytes.
-- flat: all-reduce whole gradients over ``fast_axis``, then over ``slow_axis``, then slice.
+  over ``fast_axis`` completes it. The slow link carries 1/fast of the bytes. Weights are
+  gathered one layer at a time and each layer's gradient reduce-scattered in its
+  backward (``parallel.fsdp``), so no whole model or whole gradient is alive.
+- flat: all-reduce whole gradients over ``fast_axis``, then over ``slow_axis``, then
+  slice: the baseline, which gathers the whole model and holds its whole gradient.
 
 A compressed all-reduce is an all-to-all (device j gets everyone's chunk j), a local fp32
 sum, and an all-gather of the re-quantised sums: ``2 (n-1)/n`` payload bytes, as a ring
@@ -29,9 +32,10 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardlib import hooks
 from shardlib.config import CommConfig
 from shardlib.errors import ConfigError
-from shardlib.parallel.fsdp import gather_dim, gather_params, restrict_spec
+from shardlib.parallel.fsdp import gather_dim, gather_params, restrict_spec, weight_gatherer
 
 if TYPE_CHECKING:
     from shardlib.train.state import TrainSetup
@@ -293,17 +297,20 @@ def local_rules(setup: TrainSetup) -> dict[str, tuple[str, ...]]:
     return {dim: tuple(a for a in names if a not in axes) for dim, names in setup.rules.items()}
 
 
-def local_grads(setup: TrainSetup, full: nnx.State, batch: dict, scale: jax.Array
-                ) -> tuple[jax.Array, dict, nnx.State]:
+def local_grads(setup: TrainSetup, full: nnx.State, batch: dict, scale: jax.Array, *,
+                cast: bool = True) -> tuple[jax.Array, dict, nnx.State]:
     """Objective, metrics and gradient of this device's batch slice (``grad_accum``
-    microbatches by ``lax.scan``), against whole parameters; no collectives."""
+    microbatches by ``lax.scan``), against the parameters given: whole ones (no
+    collectives), or fsdp shards under an active ``hooks.gathering_weights``, which also
+    casts them (``cast=False``)."""
     from shardlib import precision
     from shardlib.train.step import model_loss
 
     rules, count = local_rules(setup), setup.config.train.grad_accum
+    to_compute = (lambda p: precision.cast_params(p, setup.policy)) if cast else (lambda p: p)
 
     def scaled(p: nnx.State, b: dict) -> tuple[jax.Array, dict]:
-        objective, metrics = model_loss(setup, rules, precision.cast_params(p, setup.policy), b)
+        objective, metrics = model_loss(setup, rules, to_compute(p), b)
         return objective * scale, metrics
 
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
@@ -322,12 +329,16 @@ def local_grads(setup: TrainSetup, full: nnx.State, batch: dict, scale: jax.Arra
     return unscale(loss), jax.tree.map(lambda m: m / count, metrics), jax.tree.map(unscale, grads)
 
 
-def reduce_fast(grads: nnx.State, specs: nnx.State, axis: str, hier: bool) -> nnx.State:
-    """fp32 sum over the fast axis: reduce-scatter split params (hierarchical) or
-    all-reduce them whole (flat); unsplit params are all-reduced either way."""
+def reduce_fast(grads: nnx.State, specs: nnx.State, axis: str, hier: bool, *,
+                scattered: bool = False) -> nnx.State:
+    """fp32 sum over the fast axis: reduce-scatter split params (hierarchical; already
+    done, layer by layer, when ``scattered``) or all-reduce them whole (flat); unsplit
+    params are all-reduced either way."""
 
     def one(g: jax.Array, spec: PartitionSpec) -> jax.Array:
         dim = gather_dim(spec)
+        if scattered and dim is not None:
+            return g
         if hier and dim is not None:
             return lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
         return lax.psum(g, axis)
@@ -385,6 +396,27 @@ def mean_after(stats: dict, grads: nnx.State, axes: tuple[str, ...]) -> dict:
     return lax.pmean(jax.tree.map(lambda x: x + zero.astype(x.dtype), stats), axes)
 
 
+def fast_reduced_grads(setup: TrainSetup, p_shard: nnx.State, batch: dict, scale: jax.Array,
+                       *, hier: bool) -> tuple[jax.Array, dict, nnx.State]:
+    """This device's objective, metrics and gradient summed over the fast axis (inside
+    shard_map, check_vma off). Hierarchical: the model gathers one layer at a time
+    (``parallel.fsdp``) and each layer's gradient is reduce-scattered in its backward;
+    flat: whole parameters are gathered, whole gradients all-reduced (the baseline)."""
+    cfg, specs = setup.config.comm, param_specs(setup)
+    if not hier:
+        full = gather_params(p_shard, specs)  # (check_vma off: replicas differ from here)
+        loss, metrics, grads = local_grads(setup, full, batch, scale)
+        return loss, metrics, reduce_fast(grads, specs, cfg.fast_axis, False)
+    from shardlib import precision
+
+    cast = lambda x: precision.cast_params(x, setup.policy)  # noqa: E731
+    gather = weight_gatherer(setup.rules, setup.sizes, cast)
+    with hooks.gathering_weights(
+            gather, reshard_after_forward=setup.config.mesh.reshard_after_forward):
+        loss, metrics, grads = local_grads(setup, p_shard, batch, scale, cast=False)
+    return loss, metrics, reduce_fast(grads, specs, cfg.fast_axis, True, scattered=True)
+
+
 def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: dict, scale: jax.Array,
                    ef: ErrorFeedback | None
                    ) -> tuple[jax.Array, nnx.State, dict, ErrorFeedback | None]:
@@ -395,9 +427,7 @@ def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: dict, scale: jax
     devices = setup.sizes[cfg.slow_axis] * setup.sizes[cfg.fast_axis]
 
     def local(p_shard: nnx.State, b_shard: dict, *ef_local: ErrorFeedback):
-        full = gather_params(p_shard, specs)  # (check_vma off: replicas differ from here)
-        loss, metrics, grads = local_grads(setup, full, b_shard, scale)
-        grads = reduce_fast(grads, specs, cfg.fast_axis, hier)
+        loss, metrics, grads = fast_reduced_grads(setup, p_shard, b_shard, scale, hier=hier)
         grads, new_ef = reduce_slow(grads, cfg, ef_local[0] if ef_local else None)
         grads = grads if hier else own_shards(grads, specs, cfg.fast_axis)
         grads = jax.tree.map(lambda g: g / devices, grads)

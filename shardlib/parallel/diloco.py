@@ -24,7 +24,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardlib.config import CommConfig
 from shardlib.parallel import comm
-from shardlib.parallel.fsdp import gather_params
 
 if TYPE_CHECKING:
     from shardlib.train.state import TrainSetup, TrainState
@@ -79,14 +78,14 @@ def replica_grads(setup: TrainSetup, params_s: nnx.State, batch: dict
                   ) -> tuple[dict, nnx.State]:
     """Each replica's mean gradient over its own batch slice, reduced over the fast axis
     only (reduce-scatter: each device keeps its FSDP shard); (metrics, (S, ...) grads)."""
-    cfg, specs = setup.config.comm, comm.param_specs(setup)
+    cfg = setup.config.comm
     axes, fast = (cfg.slow_axis, cfg.fast_axis), setup.sizes[cfg.fast_axis]
     stacked = jax.tree.map(lambda s: _stacked_spec(s, cfg.slow_axis), comm.manual_specs(setup))
 
     def local(p_s: nnx.State, b_shard: dict) -> tuple[dict, nnx.State]:
-        full = gather_params(jax.tree.map(lambda x: x[0], p_s), specs)
-        loss, metrics, grads = comm.local_grads(setup, full, b_shard, jnp.float32(1.0))
-        grads = comm.reduce_fast(grads, specs, cfg.fast_axis, hier=True)
+        p_shard = jax.tree.map(lambda x: x[0], p_s)  # one layer at a time: parallel.fsdp
+        loss, metrics, grads = comm.fast_reduced_grads(setup, p_shard, b_shard,
+                                                       jnp.float32(1.0), hier=True)
         metrics = comm.mean_after({"loss_total": loss, **metrics}, grads, axes)  # scalars
         return metrics, jax.tree.map(lambda g: (g / fast)[None], grads)
 

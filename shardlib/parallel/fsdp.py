@@ -20,11 +20,16 @@ reduce-scatter).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
+
+from shardlib import hooks
+from shardlib.sharding import Rules, logical_to_spec
 
 BATCH_AXES = ("data", "fsdp")
 
@@ -61,7 +66,8 @@ def gather_dim(spec: PartitionSpec) -> int | None:
 
 
 def gather_params(params: nnx.State, specs: nnx.State) -> nnx.State:
-    """All-gather every fsdp-split parameter along its split dim (inside shard_map)."""
+    """All-gather every fsdp-split parameter along its split dim (inside shard_map): the
+    whole model at once, for the paths that need it (``comm``'s flat reduction, DiLoCo)."""
 
     def gather(value: jax.Array, spec: PartitionSpec) -> jax.Array:
         dim = gather_dim(spec)
@@ -70,39 +76,70 @@ def gather_params(params: nnx.State, specs: nnx.State) -> nnx.State:
     return jax.tree.map(gather, params, specs)
 
 
-def gather_and_cast(params_shard: nnx.State, specs: nnx.State,
-                    cast: Callable[[nnx.State], nnx.State]) -> nnx.State:
-    """``gather_params`` and ``cast`` (to the compute dtype), cast first except on CPU,
-    whose collectives must stay in the parameter dtype (see ``fsdp_loss``)."""
-    if jax.default_backend() == "cpu":
-        return cast(gather_params(params_shard, specs))
-    return gather_params(cast(params_shard), specs)
+def _is_variable(x: object) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def weight_gatherer(rules: Rules, sizes: Mapping[str, int],
+                    cast: Callable[[jax.Array], jax.Array],
+                    replicas: tuple[str, ...] = ()) -> Callable[[Any], Any]:
+    """The per-unit gather that ``hooks.gathering_weights`` installs (inside shard_map):
+    each weight's fsdp-split dim, read from its ``logical`` metadata and ``rules``, is
+    all-gathered and the result cast to the compute dtype and tagged ``hooks.GATHERED``.
+    A scanned layer's weights have lost their leading ``layers`` dim: the metadata is
+    matched to the array's dims from the right. Cast first except on CPU, whose
+    collectives must stay in the parameter dtype (see ``fsdp_loss``).
+
+    ``replicas``: manual axes holding whole copies of the shards (``data``): each shard is
+    made varying over them first, so its gradient is all-reduced there in this unit's
+    backward (``pcast``'s transpose), not for the whole model after the layer scan."""
+    cpu = jax.default_backend() == "cpu"
+
+    def one(var: nnx.Variable) -> nnx.Variable:
+        value = jax.lax.pcast(var[...], replicas, to="varying") if replicas else var[...]
+        logical = tuple(var.get_metadata().get("logical") or ())
+        dims = logical[len(logical) - value.ndim:] if value.ndim else ()
+        dim = gather_dim(logical_to_spec(dims, rules, sizes)) if len(dims) == value.ndim \
+            else None
+        if dim is None:
+            return var.replace(value=cast(value))
+        gather = lambda x: jax.lax.all_gather(x, "fsdp", axis=dim, tiled=True)
+        whole = cast(gather(value)) if cpu else gather(cast(value))
+        return var.replace(value=checkpoint_name(whole, hooks.GATHERED))
+
+    return lambda tree: jax.tree.map(one, tree, is_leaf=_is_variable)
 
 
 def fsdp_loss(loss_fn: Callable[[nnx.State, dict], jax.Array], params: nnx.State, batch: dict,
-              *, mesh: jax.sharding.Mesh, param_specs: nnx.State,
-              cast: Callable[[nnx.State], nnx.State] = lambda p: p) -> jax.Array:
+              *, mesh: jax.sharding.Mesh, param_specs: nnx.State, rules: Rules,
+              reshard_after_forward: bool = True,
+              cast: Callable[[jax.Array], jax.Array] = lambda p: p) -> jax.Array:
     """``loss_fn(params, batch)`` (a mean over the batch) with explicit FSDP gathers.
 
-    ``param_specs``: each parameter's full PartitionSpec; ``loss_fn`` sees whole
-    parameters and this process-group's slice of the batch. ``cast`` (to the compute
-    dtype) runs after ``pcast``, so the all-reduce over ``data`` is in the gradient dtype.
-    On GPU/TPU it runs before the gather, so weights travel (and gradients are
-    reduce-scattered) in the compute dtype; XLA CPU aborts on those bf16 collectives
-    (``AllReducePromotion``: "Invalid binary instruction opcode copy"), so on CPU the
-    gather and reduce-scatter stay in the parameter dtype.
+    ``loss_fn`` sees this device's weight *shards* and its slice of the batch; the model
+    gathers each FSDP unit (a layer, or the weights outside the layers) where it runs it,
+    through ``hooks.gather_weights`` (``weight_gatherer``), so the gradient of each layer
+    is reduce-scattered in that layer's backward and no whole model or whole gradient is
+    ever alive. ``reshard_after_forward``: gather each layer again in backward (3 (F-1)/F
+    P bytes) rather than keep its gathered weights from forward (2 (F-1)/F P, one
+    gathered model more memory). ``cast`` (to the compute dtype) runs after ``pcast``, so
+    the all-reduce over ``data`` is in the gradient dtype. On GPU/TPU it runs before the
+    gather, so weights travel (and gradients are reduce-scattered) in the compute dtype;
+    XLA CPU aborts on those bf16 collectives (``AllReducePromotion``: "Invalid binary
+    instruction opcode copy"), so on CPU the gather and reduce-scatter stay in the
+    parameter dtype.
     """
     axes = manual_axes(dict(mesh.shape))
     manual_specs = jax.tree.map(lambda s: restrict_spec(s, lambda a: a in axes), param_specs)
     batch_spec = PartitionSpec(axes)
+    # Varying over data *before* the gather: each unit's gradient is reduce-scattered
+    # over fsdp first, then only the shard is all-reduced over data.
+    gather = weight_gatherer(rules, dict(mesh.shape), cast,
+                             replicas=("data",) if "data" in axes else ())
 
     def local_loss(params_shard: nnx.State, batch_shard: dict) -> jax.Array:
-        if "data" in axes:
-            # Varying over data *before* the gather: the gradient is reduce-scattered over
-            # fsdp first, then only the shard is all-reduced over data.
-            params_shard = jax.lax.pcast(params_shard, "data", to="varying")
-        full = gather_and_cast(params_shard, param_specs, cast)
-        return jax.lax.pmean(loss_fn(full, batch_shard), axes)
+        with hooks.gathering_weights(gather, reshard_after_forward=reshard_after_forward):
+            return jax.lax.pmean(loss_fn(params_shard, batch_shard), axes)
 
     return jax.shard_map(
         local_loss, mesh=mesh, axis_names=set(axes),

@@ -10,9 +10,14 @@ stage back with ``ppermute``. A forward keeps only its stage input; the backward
 the stage from that input under ``jax.vjp`` (GPipe's re-materialisation), so a stage holds
 ``Schedule.act_slots`` inputs: M under GPipe, at most P under 1F1B.
 
-The batch axes (``data``, ``fsdp``) are manual too: a stage all-gathers its fsdp-split
-parameters once per step; gradients are reduce-scattered over fsdp, all-reduced over data
-and, for the parameters replicated over ``pipeline``, summed over the stages.
+The batch axes (``data``, ``fsdp``) are manual too. With ``mesh.reshard_after_forward``
+(the default) a stage gathers its fsdp-split weights one layer at a time inside every
+forward and backward tick (``hooks.gather_weights``), so only one layer's whole weights
+and gradient are alive, at the price of gathering them once per microbatch:
+``3 M (F-1)/F P_stage`` bytes. Without it the stage gathers all its weights once per step
+(``2 (F-1)/F P_stage``) and holds them, and their whole gradient, for the step.
+Gradients are reduce-scattered over fsdp, all-reduced over data and, for the parameters
+replicated over ``pipeline``, summed over the stages.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from shardlib import precision
+from shardlib import hooks, precision
 from shardlib.config import Config
 from shardlib.errors import ConfigError
+from shardlib.models.gpt import gather_outside_layers
 from shardlib.models.layers import scan_layers
 from shardlib.parallel import comm, fsdp
 from shardlib.parallel.pipeline_schedule import FWD, IDLE, SCHEDULES, Schedule, build
@@ -124,6 +130,7 @@ class Stage:
     graphdef: nnx.GraphDef
     policy: precision.Policy
     remat: str
+    gathers: bool = False  # weights arrive as fsdp shards; the gather hook casts them
 
     def _layers(self, model: nnx.Module, x_btd: jax.Array, tokens_bt: jax.Array,
                 is_first: jax.Array) -> jax.Array:
@@ -132,7 +139,8 @@ class Stage:
         return scan_layers(model.blocks, x_btd, self.remat)
 
     def model(self, params: nnx.State) -> nnx.Module:
-        return nnx.merge(self.graphdef, precision.cast_params(params, policy=self.policy))
+        cast = params if self.gathers else precision.cast_params(params, policy=self.policy)
+        return nnx.merge(self.graphdef, gather_outside_layers(cast))
 
     def forward(self, params: nnx.State, x_btd: jax.Array, tokens_bt: jax.Array,
                 is_first: jax.Array) -> jax.Array:
@@ -212,14 +220,16 @@ def _spec_axes(spec: PartitionSpec) -> set[str]:
     return {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
 
 
-def reduce_grads(grads: nnx.State, specs: nnx.State, sizes: Mapping[str, int]) -> nnx.State:
+def reduce_grads(grads: nnx.State, specs: nnx.State, sizes: Mapping[str, int], *,
+                 scattered: bool = False) -> nnx.State:
     """Per-device gradients of whole stage parameters -> gradients in the parameters'
-    layout: reduce-scatter over fsdp, then sum over every other axis a parameter is
-    replicated on (data, and pipeline for embedding, final norm and head)."""
+    layout: reduce-scatter over fsdp (unless the per-layer gathers' backward already
+    did, ``scattered``), then sum over every other axis a parameter is replicated on
+    (data, and pipeline for embedding, final norm and head)."""
 
     def reduce(g: jax.Array, spec: PartitionSpec) -> jax.Array:
         axes, dim = _spec_axes(spec), fsdp.gather_dim(spec)
-        if dim is not None and sizes.get("fsdp", 1) > 1:
+        if dim is not None and sizes.get("fsdp", 1) > 1 and not scattered:
             g = jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim, tiled=True)
         summed = tuple(a for a in (AXIS, *BATCH_AXES) if sizes.get(a, 1) > 1 and a not in axes)
         return jax.lax.psum(g, summed) if summed else g
@@ -243,20 +253,27 @@ def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Ar
     schedule = schedule or build(config.pipeline.schedule, sizes[AXIS],
                                  resolve_microbatches(config, sizes))
     table_tpc = tables(schedule) if table_tpc is None else table_tpc
-    stage = Stage(setup.graphdef, setup.policy, config.model.remat)
+    per_layer = sizes.get("fsdp", 1) > 1 and config.mesh.reshard_after_forward
+    stage = Stage(setup.graphdef, setup.policy, config.model.remat, gathers=per_layer)
     specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
     shards, count = batch_shards(sizes), schedule.microbatches
+    gather = fsdp.weight_gatherer(setup.rules, sizes,
+                                  lambda x: precision.cast_params(x, policy=setup.policy))
 
     def local(params_shard: nnx.State, batch_shard: dict, scale: jax.Array,
               table_tpc: jax.Array) -> tuple:
-        full = fsdp.gather_params(params_shard, specs) if sizes.get("fsdp", 1) > 1 \
-            else params_shard
         dloss = scale.astype(jnp.float32) / (count * shards)
-        loss, grads = run_schedule(stage, schedule, table_tpc, full,
-                                   _split(batch_shard["inputs"], count),
-                                   _split(batch_shard["targets"], count), dloss,
-                                   setup.policy.compute, config.model.d_model)
-        grads = reduce_grads(grads, specs, sizes)
+        run = lambda p: run_schedule(stage, schedule, table_tpc, p,  # noqa: E731
+                                     _split(batch_shard["inputs"], count),
+                                     _split(batch_shard["targets"], count), dloss,
+                                     setup.policy.compute, config.model.d_model)
+        if per_layer:  # each tick gathers layer by layer; grads come back scattered
+            with hooks.gathering_weights(gather, reshard_after_forward=True):
+                loss, grads = run(params_shard)
+        else:
+            loss, grads = run(fsdp.gather_params(params_shard, specs)
+                              if sizes.get("fsdp", 1) > 1 else params_shard)
+        grads = reduce_grads(grads, specs, sizes, scattered=per_layer)
         unscale = lambda g: (g / scale.astype(g.dtype)).astype(g.dtype)
         return jax.lax.psum(loss, (AXIS, *BATCH_AXES)) / (count * shards), \
             jax.tree.map(unscale, grads)

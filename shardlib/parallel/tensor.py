@@ -15,8 +15,9 @@ one; its hook points below are the identity unless ``manual_tensor`` is active:
   (mask foreign tokens, local take, g), this device's rows of a position table under SP,
   and a cross-entropy over vocab-split logits that exchanges only three (b, s) statistics.
 
-FSDP runs in the same shard_map (``parallel.fsdp.gather_params``): fsdp-split weights are
-all-gathered, so their gradients are reduce-scattered; ``data`` replicas all-reduce them.
+FSDP runs in the same shard_map (``parallel.fsdp.weight_gatherer``): each layer's
+fsdp-split weights are all-gathered inside the layer scan, so their gradients are
+reduce-scattered there; ``data`` replicas all-reduce the shards.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
+from shardlib import hooks
 from shardlib.parallel import fsdp
+from shardlib.sharding import Rules, make_rules
 
 if TYPE_CHECKING:
     from shardlib.config import Config
@@ -148,22 +151,42 @@ def applies_to(config: Config, sizes: Mapping[str, int],
                    sequence_parallel=config.mesh.sequence_parallel)
 
 
+def gathers_by_hand(config: Config, sizes: Mapping[str, int]) -> bool:
+    """Whether the train step gathers fsdp-split weights itself, one layer at a time
+    (``parallel.fsdp`` or, with TP, here), rather than leaving it to XLA."""
+    if sizes.get("fsdp", 1) == 1:
+        return False
+    if fsdp.explicit_fsdp_applies(sizes):
+        return True
+    return applies_to(config, sizes, make_rules(config.mesh, sizes, config.rules))
+
+
 def tensor_loss(loss_fn: Callable[[nnx.State, dict], jax.Array], params: nnx.State,
                 batch: dict, *, mesh: Mesh, param_specs: nnx.State, batch_spec: PartitionSpec,
-                sequence_parallel: bool,
+                sequence_parallel: bool, rules: Rules, reshard_after_forward: bool = True,
                 cast: Callable[[nnx.State], nnx.State] = lambda p: p) -> jax.Array:
     """``loss_fn(params, batch)`` (a mean over the batch) with explicit TP/SP and FSDP.
 
-    ``loss_fn`` sees this device's tensor shard of every weight (fsdp gathered), its
-    batch slice and the hooks active; its result is averaged over the batch axes."""
-    batch_axes = fsdp.manual_axes(dict(mesh.shape))
+    ``loss_fn`` sees this device's tensor shard of every weight (with ``fsdp`` > 1, its
+    fsdp shard too: the model gathers one layer at a time, ``parallel.fsdp``), its batch
+    slice and the hooks active; its result is averaged over the batch axes."""
+    sizes = dict(mesh.shape)
+    batch_axes = fsdp.manual_axes(sizes)
+    replicas = ("data",) if "data" in batch_axes else ()  # reduce-scatter first, then
+    gather = fsdp.weight_gatherer(rules, sizes, cast, replicas) \
+        if sizes.get("fsdp", 1) > 1 else None  # all-reduce the shards over data
 
     def local_loss(params_shard: nnx.State, batch_shard: dict) -> jax.Array:
-        if "data" in batch_axes:  # reduce-scatter over fsdp first, then all-reduce shards
-            params_shard = jax.lax.pcast(params_shard, "data", to="varying")
-        local = fsdp.gather_and_cast(params_shard, param_specs, cast)
-        with manual_tensor(sequence_parallel=sequence_parallel):
-            out = loss_fn(local, batch_shard)
+        if replicas and gather is None:
+            params_shard = jax.lax.pcast(params_shard, replicas, to="varying")
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(manual_tensor(sequence_parallel=sequence_parallel))
+            if gather is None:
+                params_shard = cast(params_shard)
+            else:
+                stack.enter_context(hooks.gathering_weights(
+                    gather, reshard_after_forward=reshard_after_forward))
+            out = loss_fn(params_shard, batch_shard)
         return jax.lax.pmean(out, batch_axes) if batch_axes else out
 
     return jax.shard_map(

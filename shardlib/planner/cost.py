@@ -40,6 +40,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shardlib.analysis.hlo import Collective
+from shardlib.analysis.peak import (
+    fsdp_working_set,
+    local_tokens,
+    peak_terms,
+    saved_bytes_per_token,
+)
 from shardlib.analysis.theory import comm_terms, param_counts, state_bytes_per_device
 from shardlib.config import Config
 from shardlib.parallel import tensor
@@ -236,45 +242,35 @@ def compiled_comm(collectives: Iterable[Collective], *, native_reduce_scatter: b
 # 87 compiled fp32 train steps, tiny and small models on 8 devices, every mesh and remat:
 # estimate / compiled within 0.82-1.14 for remat none, 0.86-1.26 with remat
 # (``MEMORY_MARGIN`` in ``search`` covers that: nearer the budget, a verdict needs a compile).
-UPDATE_COPIES = 2  # param-sized buffers next to the state: gradients, Adam's update
-GATHER_COPIES = (2, 1)  # full weights gathered by FSDP: (explicit path: + their full
-# gradients, parallel/fsdp.py; XLA's automatic path)
-D_ARRAYS = (4, 6)  # per layer per token: (fp32, compute-dtype) d-sized activations
-F_ARRAYS = 9  # per layer per token: compute-dtype (d_ff / t)-sized activations (GELU)
-LOGIT_BYTES = 18  # per token per (vocab / t): fp32 logits, softmax and their gradients
-REMAT_D_ARRAYS = {"dots": 5.2, "full": 3.1}  # per layer per token, compute dtype, d-sized
+# The buffer counts themselves live in ``analysis.peak``, which ``shardlib inspect`` shares.
 OPTIMIZER_PASSES = 7  # parameter-sized arrays AdamW's update reads and writes
 
 
 def analytic_memory(config: Config, cand: Candidate, compute_bytes: int,
                     gather_bytes: int) -> int:
-    """Peak bytes per device: state, gradients and update, gathered weights, activations.
+    """Peak bytes per device (``analysis.peak``): state, gradients and update, FSDP's
+    working set, activations.
 
     ``gather_bytes``: bytes per element FSDP gathers weights in (the compute dtype on
     GPU/TPU, the parameter dtype on XLA CPU; see ``parallel.fsdp``).
     """
-    state = _state_bytes(config, cand.degrees)
-    params = state / 3  # (1 + 2 moments) x P
-    gathered = gathered_bytes(config, cand, gather_bytes)
-    act = local_tokens(config, cand) * activation_bytes_per_token(config, cand, compute_bytes)
-    return round(state + UPDATE_COPIES * params + gathered + act)
+    config = cand.apply(config)
+    return peak_terms(config, cand.sizes, explicit=explicit_path(config, cand),
+                      microbatches=cand.microbatches, compute_bytes=compute_bytes,
+                      gather_bytes=gather_bytes).total
 
 
 def gathered_bytes(config: Config, cand: Candidate, gather_bytes: int) -> float:
-    """Full weights (and, on the explicit paths, their full gradients) that FSDP holds
-    per device while a microbatch runs; 0 without FSDP."""
-    if cand.sizes.get("fsdp", 1) == 1:
-        return 0.0
-    counts = param_counts(config.model)
-    p_t = counts.tensor_split / cand.sizes.get("tensor", 1) + counts.tensor_replicated
-    copies = GATHER_COPIES[0] if explicit_path(config, cand) else GATHER_COPIES[1]
-    return copies * p_t * gather_bytes
+    """Whole weights (and, on the explicit paths, their gradients) that FSDP holds per
+    device while a microbatch runs; 0 without FSDP."""
+    return fsdp_working_set(cand.apply(config), cand.sizes,
+                            explicit=explicit_path(config, cand), gather_bytes=gather_bytes)
 
 
 @functools.lru_cache(maxsize=4096)
 def explicit_path(config: Config, cand: Candidate) -> bool:
     """Whether the step gathers and reduce-scatters by hand (``parallel.fsdp``,
-    ``parallel.tensor``): real reduce-scatters on every backend, and full gradients."""
+    ``parallel.tensor``): real reduce-scatters on every backend, one layer at a time."""
     if explicit_fsdp_applies(cand.sizes):
         return True
     config = cand.apply(config)
@@ -289,7 +285,9 @@ def memory_traffic(config: Config, cand: Candidate, compute_bytes: int,
     written and read back once per microbatch, and the optimizer update, an elementwise
     pass over the local state (AdamW reads params, gradients and both moments and writes
     params and moments: 7 parameter-sized arrays, 7/3 of the state)."""
-    per_micro = (local_tokens(config, cand) * saved_bytes_per_token(config, cand, compute_bytes)
+    sizes = cand.sizes
+    per_micro = (local_tokens(config, sizes, cand.microbatches)
+                 * saved_bytes_per_token(config, sizes, cand.remat, compute_bytes)
                  + gathered_bytes(config, cand, gather_bytes))
     update = OPTIMIZER_PASSES * _state_bytes(config, cand.degrees) / 3
     return round(2 * cand.microbatches * per_micro + update)
@@ -306,41 +304,3 @@ def cross_compile_memory(config: Config, cand: Candidate, compute_bytes: int) ->
     if not explicit_path(config, cand) or compute_bytes >= 4:
         return 0
     return round(gathered_bytes(config, cand, 4) - gathered_bytes(config, cand, compute_bytes))
-
-
-def local_tokens(config: Config, cand: Candidate) -> float:
-    """Tokens of one microbatch on one device."""
-    sizes = cand.sizes
-    batch = config.train.batch_size / (
-        cand.microbatches * sizes.get("data", 1) * sizes.get("fsdp", 1))
-    return batch * config.train.seq_len / sizes.get("sequence", 1)
-
-
-def activation_bytes_per_token(config: Config, cand: Candidate, c: int) -> float:
-    """Bytes kept per local token for backward (all layers) and the logits', plus one
-    layer's working set while it is rebuilt (remat)."""
-    return saved_bytes_per_token(config, cand, c) + working_bytes_per_token(config, cand)
-
-
-def saved_bytes_per_token(config: Config, cand: Candidate, c: int) -> float:
-    """Bytes kept per local token from forward to backward: every layer's activations
-    and the logits'. Attention probabilities (fp32, every key: K/V are gathered along the
-    sequence) are kept unless the layer is recomputed."""
-    m, t = config.model, cand.sizes.get("tensor", 1)
-    d, f = m.d_model, m.d_ff / t
-    if cand.remat == "none":
-        per_layer = (d * (D_ARRAYS[0] * 4 + D_ARRAYS[1] * c) + F_ARRAYS * f * c
-                     + _probs_bytes_per_token(config, cand))
-    else:  # layer inputs (and, for dots, matmul outputs)
-        per_layer = REMAT_D_ARRAYS[cand.remat] * d * c
-    return m.num_layers * per_layer + LOGIT_BYTES * m.vocab_size / t
-
-
-def working_bytes_per_token(config: Config, cand: Candidate) -> float:
-    """Under remat, the attention probabilities of the one layer being rebuilt."""
-    return 0.0 if cand.remat == "none" else _probs_bytes_per_token(config, cand)
-
-
-def _probs_bytes_per_token(config: Config, cand: Candidate) -> float:
-    return config.model.num_heads / cand.sizes.get("tensor", 1) * config.train.seq_len * 4
-

@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlib import precision
+from shardlib.models.gpt import gather_outside_layers
 from shardlib.models.moe import moe_objective
 from shardlib.parallel import comm, context, diloco, fsdp, pipeline, tensor
 from shardlib.sharding import Rules, activation_rules
@@ -31,8 +32,9 @@ def model_loss(setup: TrainSetup, rules: Rules, params: nnx.State,
     the weighted router losses; and its parts (``loss`` is the cross-entropy alone).
     Activations are pinned by ``rules``. Every part is a mean over rows."""
     cp_method = setup.config.attention.context_parallel
+    model = nnx.merge(setup.graphdef, gather_outside_layers(params))  # FSDP: see hooks
     with activation_rules(setup.mesh, rules), context.context_parallel(cp_method):
-        logits_btv, moe_stats = nnx.merge(setup.graphdef, params).forward(batch["inputs"])
+        logits_btv, moe_stats = model.forward(batch["inputs"])
     logits_btv = logits_btv.astype(setup.policy.output)
     losses_bt = tensor.cross_entropy(logits_btv, batch["targets"])  # vocab-parallel if TP
     penalty, moe_metrics = moe_objective(setup.config.model, moe_stats)
@@ -53,11 +55,13 @@ def loss_and_metrics(setup: TrainSetup, params: nnx.State,
     gathers are (``parallel.fsdp``): either way the gradient is a real reduce-scatter on
     every backend."""
     cast = partial(precision.cast_params, policy=setup.policy)  # before gathers: fewer bytes
+    reshard = setup.config.mesh.reshard_after_forward
     if explicit_tensor_applies(setup):
         specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
         return tensor.tensor_loss(
             partial(model_loss, setup, {}), params, batch, mesh=setup.mesh, param_specs=specs,
-            batch_spec=setup.batch_sharding.spec, cast=cast,
+            batch_spec=setup.batch_sharding.spec, cast=cast, rules=setup.rules,
+            reshard_after_forward=reshard,
             sequence_parallel=setup.config.mesh.sequence_parallel)
     if not fsdp.explicit_fsdp_applies(setup.sizes):
         return model_loss(setup, setup.rules, cast(params), batch)
@@ -66,7 +70,8 @@ def loss_and_metrics(setup: TrainSetup, params: nnx.State,
                    for dim, axes in setup.rules.items()}
     specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
     return fsdp.fsdp_loss(partial(model_loss, setup, local_rules), params, batch,
-                          mesh=setup.mesh, param_specs=specs, cast=cast)
+                          mesh=setup.mesh, param_specs=specs, rules=setup.rules,
+                          reshard_after_forward=reshard, cast=cast)
 
 
 def explicit_tensor_applies(setup: TrainSetup) -> bool:

@@ -1,0 +1,99 @@
+"""Extension points the model calls; a strategy installs itself here for one trace.
+
+The model (``shardlib.models``) never imports a strategy. Where a strategy must act
+inside a layer it calls a hook from this module, which is the plain computation unless a
+strategy has activated it (a context variable, set only while a step is being traced).
+
+``gather_weights``: FSDP's per-layer gather. A strategy that keeps weights split over
+``fsdp`` installs a function from a module's local weight shards to its whole weights;
+the model calls it once per *FSDP unit*: each layer inside the layer scan, and once for
+the weights outside the layers (embedding, positions, final norm, head). Each gathered
+weight is tagged ``GATHERED`` (``jax.ad_checkpoint.checkpoint_name``) so the layer's
+remat policy (``weights_policy``) can drop it after forward and gather it again in
+backward (``reshard_after_forward``, torchtitan's name), or keep it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import jax
+from flax import nnx
+
+GATHERED = "fsdp_gathered"  # checkpoint name of a weight gathered for one unit's use
+
+
+@dataclass(frozen=True)
+class WeightGather:
+    """How the active strategy turns a unit's weight shards into whole weights."""
+
+    gather: Callable[[nnx.State], nnx.State]
+    reshard_after_forward: bool
+
+
+_WEIGHTS: contextvars.ContextVar[WeightGather | None] = contextvars.ContextVar(
+    "shardlib_weight_gather", default=None)
+
+
+@contextlib.contextmanager
+def gathering_weights(gather: Callable[[nnx.State], nnx.State], *,
+                      reshard_after_forward: bool) -> Iterator[None]:
+    """Within this block (while tracing) ``gather_weights`` runs ``gather``."""
+    token = _WEIGHTS.set(WeightGather(gather, reshard_after_forward))
+    try:
+        yield
+    finally:
+        _WEIGHTS.reset(token)
+
+
+def gather_weights(state: nnx.State) -> nnx.State:
+    """One FSDP unit's whole weights (the state itself when no strategy gathers)."""
+    active = _WEIGHTS.get()
+    return state if active is None else active.gather(state)
+
+
+def gathered(x: jax.Array) -> jax.Array:
+    """Tag a value computed from gathered weights alone (a stacked qkv, say) so that the
+    remat policy treats it like the weights: recomputed in backward, not saved."""
+    if _WEIGHTS.get() is None:
+        return x
+    return jax.ad_checkpoint.checkpoint_name(x, GATHERED)
+
+
+# Data movement recomputed rather than saved when the layer keeps its activations but not
+# its gathered weights: the weights reach the matmuls only through these (gather, cast,
+# stack, reshape, transpose), so none of their results may be a saved residual, or the
+# layer's whole weights would outlive it. Recomputing them for activations is cheap.
+_MOVEMENT = frozenset({"all_gather", "convert_element_type", "stack", "concatenate",
+                       "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
+                       "copy", "copy_p", "pcast"})
+
+
+def _activations_not_weights(prim, *_, **params) -> bool:
+    """Remat policy: save every result except data movement and ``GATHERED`` values."""
+    if prim.name == "name":
+        return params.get("name") != GATHERED
+    return prim.name not in _MOVEMENT
+
+
+def weights_policy(base: Callable | None) -> tuple[bool, Callable | None]:
+    """(wrap the layer in ``jax.checkpoint``?, its policy) for a layer whose own remat
+    policy is ``base`` (None = no remat), given how the active strategy gathers weights.
+
+    Resharding after forward: the gathered weights are never saved (they are re-gathered
+    in backward). Keeping them: they are saved whatever else the layer recomputes."""
+    active = _WEIGHTS.get()
+    policies = jax.checkpoint_policies
+    if active is None:
+        return base is not None, base
+    if active.reshard_after_forward:
+        if base is None:  # save every activation, but nothing on the weights' path
+            return True, _activations_not_weights
+        return True, base  # nothing_saveable / dots_*: weights are not dots, never saved
+    keep = policies.save_only_these_names(GATHERED)
+    if base is None:
+        return False, None
+    return True, policies.save_from_both_policies(base, keep)

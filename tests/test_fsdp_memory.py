@@ -1,0 +1,144 @@
+"""The memory contract of every strategy that shards weights over ``fsdp``: each layer's
+weights are gathered inside the layer (one FSDP unit at a time), so the compiled
+per-device peak grows with depth by about the per-layer *sharded* state, never by the
+layer's whole weights; and the bytes moved follow ``mesh.reshard_after_forward``.
+
+Compile-only (nothing runs): a d_model-256 GPT at 2 and 6 layers with a tiny batch, so
+activations are negligible and the growth is the weights' alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+
+from shardlib.analysis.report import Inspection, analyze
+from shardlib.config import Config, MeshConfig, TrainConfig, parse_mesh
+from shardlib.models import get_preset
+
+SHALLOW, DEEP = 2, 6
+GROWTH_LIMIT = 1.5  # added peak per layer / added per-device state per layer
+# Known gap: the pipeline's tick loop keeps a gradient accumulator beside each backward
+# tick's gradient (both sharded): state + 2 gradients = 1.67x at least; measured 1.83x.
+PIPELINE_GROWTH_LIMIT = 2.0
+PEAK_MARGIN = (0.6, 1.15)  # compiled peak / the formula of ``analysis.peak``
+
+MESHES = ["fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2", "fsdp=4,tensor=2+sp",
+          "pipeline=2,fsdp=4", "fsdp=4,sequence=2", "fsdp=4,expert=2+moe", "zero3:data=8"]
+
+
+def config_for(mesh: str, layers: int, remat: str = "full", **mesh_changes) -> Config:
+    """The contract's model on ``mesh`` (``+sp``: sequence parallel; ``+moe``: an MoE
+    model; ``zero3:``: ``--zero 3`` over the given data axis)."""
+    spec, _, extra = mesh.partition("+")
+    zero = 3 if spec.startswith("zero3:") else 0
+    mesh_cfg = parse_mesh(spec.removeprefix("zero3:"))
+    mesh_cfg = dataclasses.replace(mesh_cfg, zero=zero, sequence_parallel=extra == "sp",
+                                   **mesh_changes)
+    base = get_preset("moe-tiny") if extra == "moe" else get_preset("small")
+    model = dataclasses.replace(base, d_model=256, d_ff=1024, num_heads=4, num_layers=layers,
+                                remat=remat)
+    return Config(mesh=mesh_cfg, model=model, train=TrainConfig(batch_size=8, seq_len=16))
+
+
+@functools.cache
+def compiled(mesh: str, layers: int, reshard: bool = True, remat: str = "full") -> Inspection:
+    return analyze(config_for(mesh, layers, remat, reshard_after_forward=reshard))
+
+
+def growth_per_layer(mesh: str, reshard: bool = True, remat: str = "full"
+                     ) -> tuple[float, float]:
+    """(added compiled peak, added per-device state) per added layer, in bytes."""
+    shallow = compiled(mesh, SHALLOW, reshard, remat)
+    deep = compiled(mesh, DEEP, reshard, remat)
+    layers = DEEP - SHALLOW
+    peak = (deep.memory.peak_bytes - shallow.memory.peak_bytes) / layers
+    state = (deep.memory.state_bytes_per_device - shallow.memory.state_bytes_per_device) / layers
+    return peak, state
+
+
+PIPELINE_GAP = pytest.mark.xfail(strict=True, reason="pipeline ticks keep a gradient "
+                                 "accumulator beside each tick's gradient (1.83x)")
+
+
+@pytest.mark.parametrize("mesh", [m if not m.startswith("pipeline") else
+                                  pytest.param(m, marks=PIPELINE_GAP) for m in MESHES])
+def test_each_layer_adds_about_its_sharded_state(mesh):
+    peak, state = growth_per_layer(mesh)
+    assert peak <= GROWTH_LIMIT * state, \
+        f"{mesh}: +{peak / 2**20:.2f} MiB peak per layer vs +{state / 2**20:.2f} MiB state " \
+        f"({peak / state:.2f}x > {GROWTH_LIMIT}x): a layer's whole weights outlive the layer"
+
+
+def test_pipeline_layers_add_their_state_and_two_gradient_shards_at_most():
+    peak, state = growth_per_layer("pipeline=2,fsdp=4")
+    assert peak <= PIPELINE_GROWTH_LIMIT * state, (peak / state, "the stage's whole weights")
+
+
+def test_fsdp_peak_is_a_fraction_of_data_parallel():
+    fsdp, dp = compiled("fsdp=8", DEEP), compiled("data=8", DEEP)
+    ratio = fsdp.memory.peak_bytes / dp.memory.peak_bytes
+    assert ratio <= 0.25, f"fsdp=8 peak is {ratio:.3f}x of data=8's"
+
+
+@pytest.mark.parametrize("mesh", ["fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2"])
+def test_compiled_peak_matches_the_formula(mesh):
+    for layers in (SHALLOW, DEEP):
+        ins = compiled(mesh, layers)
+        assert PEAK_MARGIN[0] <= ins.peak_ratio <= PEAK_MARGIN[1], \
+            (mesh, layers, ins.memory.peak_bytes, ins.peak.to_dict())
+
+
+@pytest.mark.parametrize("mesh", ["fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2", "zero3:data=8"])
+def test_bytes_follow_the_regather_theory(mesh):
+    ins = compiled(mesh, DEEP)
+    assert any(t.name.startswith("layers re-gather") for t in ins.terms)
+    assert 0.95 <= ins.comm_ratio <= 1.05, (mesh, ins.comm_bytes, ins.theory_comm_bytes)
+    assert not any(c.emulated_reduce_scatter for c in ins.collectives)
+
+
+def test_keeping_gathered_weights_trades_memory_for_bytes():
+    """reshard_after_forward=false: a third fewer FSDP bytes, but every layer's gathered
+    weights stay alive until its backward, so each layer adds its whole weights."""
+    on, off = compiled("fsdp=8", DEEP), compiled("fsdp=8", DEEP, reshard=False)
+    fsdp = lambda ins: ins.comm_bytes  # noqa: E731 (every collective here is over fsdp)
+    assert fsdp(off) < 0.75 * fsdp(on)
+    assert 0.95 <= off.comm_ratio <= 1.05
+    peak_on, state = growth_per_layer("fsdp=8")
+    peak_off, _ = growth_per_layer("fsdp=8", reshard=False)
+    # + the layer's gathered fp32 weights: 4 bytes x its params = F/3 x its 12-byte state
+    gathered = 8 / 3 * state
+    assert peak_off == pytest.approx(peak_on + gathered, rel=0.1), (peak_off, peak_on, state)
+
+
+@pytest.mark.parametrize("mesh,share", [("fsdp=8", 1.0), ("data=2,fsdp=4", 0.75)])
+def test_without_remat_the_layer_keeps_activations_but_not_its_weights(mesh, share):
+    """remat none (the default) saves every activation for backward, yet the gathered
+    weights (and their cast / stacked forms) are re-gathered, not saved: the bytes
+    include the re-gather, and keeping them instead adds the layer's whole weights
+    (``share`` of them beside data=2: XLA keeps one more gradient-shard buffer per layer
+    there when re-gathering, a quarter of the gathered layer at fsdp=4)."""
+    on = compiled(mesh, DEEP, remat="none")
+    assert 0.95 <= on.comm_ratio <= 1.05, (on.comm_bytes, on.theory_comm_bytes)
+    peak_on, state = growth_per_layer(mesh, remat="none")
+    peak_off, _ = growth_per_layer(mesh, reshard=False, remat="none")
+    gathered = mesh_fsdp(mesh) / 3 * state  # 4-byte weights vs 12-byte state per element
+    assert peak_off - peak_on == pytest.approx(share * gathered, rel=0.1), \
+        (peak_on, peak_off, state)
+
+
+def mesh_fsdp(mesh: str) -> int:
+    return parse_mesh(mesh).fsdp
+
+
+def test_data_mesh_has_no_fsdp_gathers_or_regather_term():
+    ins = compiled("data=8", SHALLOW)
+    assert not any("fsdp" in c.axes for c in ins.collectives)
+    assert not any(t.name.startswith("layers re-gather") for t in ins.terms)
+    assert ins.peak.working_set == 0
+
+
+def test_mesh_config_defaults_to_resharding():
+    assert MeshConfig().reshard_after_forward is True
