@@ -1,0 +1,143 @@
+"""The floor plan holds: shardlib's modules import only downwards through the layers
+below, with no import cycle, no private name taken from another module, and no import
+inside a function except where the command line keeps ``shardlib --help`` fast.
+
+The layers, lowest first (a module may import its own layer and those below it):
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "shardlib"
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("floor", ("errors", "config", "mesh", "hooks", "sharding", "precision", "units")),
+    ("primitives", ("collectives", "reshard", "distributed", "launch")),
+    ("models", ("models",)),
+    ("parallel", ("parallel",)),
+    ("train", ("train",)),
+    ("io", ("data", "checkpoint", "interop", "export")),
+    ("analysis", ("analysis",)),
+    ("inspect", ("inspect", "planner")),
+    ("run", ("run", "reporting", "observe")),
+    ("cli", ("cli", "__main__", "__init__")),
+]
+LAZY_OK = ("cli",)  # function-local imports allowed here (``shardlib --help`` stays fast)
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__" and len(parts) > 1 and parts != ["shardlib", "__init__"]:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> int:
+    """Index in LAYERS of a ``shardlib.x.y`` module (by its first component)."""
+    head = module.split(".")[1] if module.count(".") else "__init__"
+    for index, (_, heads) in enumerate(LAYERS):
+        if head in heads:
+            return index
+    raise AssertionError(f"{module}: not in any layer of tests/test_layers.py; add it")
+
+
+def imports(path: Path) -> list[tuple[str, tuple[str, ...], bool]]:
+    """(imported shardlib module, names taken, inside a function?) for each import."""
+    tree, out = ast.parse(path.read_text()), []
+    local_nodes = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+                   for n in ast.walk(f) if isinstance(n, ast.Import | ast.ImportFrom)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shardlib"):
+            names = tuple(a.name for a in node.names)
+            out.append((node.module, names, id(node) in local_nodes))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("shardlib"):
+                    out.append((alias.name, (), id(node) in local_nodes))
+    return out
+
+
+def resolve(target: str, names: tuple[str, ...], modules: set[str]) -> list[str]:
+    """``from shardlib.x import y``: the module y if it is one, else shardlib.x."""
+    found = [f"{target}.{n}" for n in names if f"{target}.{n}" in modules]
+    return found or [target]
+
+
+def graph() -> tuple[dict[str, set[str]], list[str], list[str], list[str]]:
+    """Edges, and the upward, private and function-local imports found."""
+    files = {module_name(p): p for p in ROOT.rglob("*.py")}
+    edges: dict[str, set[str]] = defaultdict(set)
+    upward, private, local = [], [], []
+    for module, path in files.items():
+        for target, names, inside in imports(path):
+            for dep in resolve(target, names, set(files)):
+                if dep == module:
+                    continue
+                edges[module].add(dep)
+                if layer_of(dep) > layer_of(module):
+                    upward.append(f"{module} -> {dep}")
+            taken = [n for n in names if n.startswith("_") and f"{target}.{n}" not in files]
+            if taken:
+                private.append(f"{module} takes {', '.join(taken)} from {target}")
+            if inside and LAYERS[layer_of(module)][0] not in LAZY_OK:
+                local.append(f"{module}: import of {target} inside a function")
+    return edges, upward, private, local
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+@pytest.fixture(scope="module")
+def found():
+    return graph()
+
+
+def test_no_import_cycles(found):
+    assert cycles(found[0]) == []
+
+
+def test_imports_only_point_down(found):
+    assert found[1] == []
+
+
+def test_no_private_names_across_modules(found):
+    assert found[2] == []
+
+
+def test_no_function_local_imports_outside_the_cli(found):
+    assert found[3] == []
