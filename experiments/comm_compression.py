@@ -39,11 +39,11 @@ import numpy as np  # noqa: E402
 
 from shardlib import data as data_lib  # noqa: E402
 from shardlib.analysis.hlo import parse_collectives  # noqa: E402
-from shardlib.analysis.report import abstract_batch  # noqa: E402
 from shardlib.config import CommConfig, Config, MeshConfig, TrainConfig  # noqa: E402
+from shardlib.inspect import abstract_batch  # noqa: E402
 from shardlib.models import get_preset  # noqa: E402
-from shardlib.parallel import comm  # noqa: E402
-from shardlib.train.loop import evaluate, train  # noqa: E402
+from shardlib.run.loop import evaluate, train  # noqa: E402
+from shardlib.train import comm  # noqa: E402
 from shardlib.train.state import abstract_state, build_setup, init_state  # noqa: E402
 from shardlib.train.step import make_eval_step, make_train_step  # noqa: E402
 
@@ -99,7 +99,7 @@ def run_fixed(config: Config) -> dict:
 
 
 def run_adaptive(config: Config, fp32: dict) -> dict:
-    """``shardlib.train.loop.train`` with the policy on; bytes per step from its dtype."""
+    """``shardlib.run.loop.train`` with the policy on; bytes per step from its dtype."""
     gbps = fp32["bytes"][0] / fp32["step_time_s"] / 1e9
     config = dataclasses.replace(config, comm=dataclasses.replace(config.comm, slow_gbps=gbps))
     tick = time.perf_counter()

@@ -1,7 +1,7 @@
 """Bytes each device sends per train step, measured in the compiled HLO vs theory, for
 DP, FSDP, TP, SP and FSDP+TP on 2, 4 and 8 simulated CPU devices and two model sizes.
 
-Nothing runs: each step is compiled ahead of time (``shardlib.analysis.report.analyze``).
+Nothing runs: each step is compiled ahead of time (``shardlib.inspect.analyze``).
 Writes ``experiments/results/comm_sweep.csv`` and ``comm_sweep.png`` and prints the table.
 
     python experiments/comm_sweep.py [--models tiny,small] [--devices 2,4,8]
@@ -25,8 +25,8 @@ import jax  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from shardlib.analysis.report import Inspection, analyze, per_axis  # noqa: E402
 from shardlib.config import Config, MeshConfig, TrainConfig  # noqa: E402
+from shardlib.inspect import Inspection, analyze, per_axis  # noqa: E402
 from shardlib.models import get_preset  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

@@ -28,7 +28,6 @@ import numpy as np  # noqa: E402
 from shardlib import data as data_lib  # noqa: E402
 from shardlib.analysis.hlo import parse_collectives  # noqa: E402
 from shardlib.analysis.memory import compiled_memory  # noqa: E402
-from shardlib.analysis.report import abstract_batch  # noqa: E402
 from shardlib.analysis.theory import comm_terms, context_terms, geometry  # noqa: E402
 from shardlib.config import (  # noqa: E402
     AttentionConfig,
@@ -38,6 +37,7 @@ from shardlib.config import (  # noqa: E402
     OptimConfig,
     TrainConfig,
 )
+from shardlib.inspect import abstract_batch  # noqa: E402
 from shardlib.train.state import abstract_state, build_setup, init_state  # noqa: E402
 from shardlib.train.step import make_train_step  # noqa: E402
 

@@ -46,8 +46,8 @@ def random_hf_model(arch: str, quick: bool):
 def finetune(init_dir: Path, args: argparse.Namespace, devices):
     """shardlib.train from the HF weights; returns the TrainResult."""
     from shardlib.config import Config, OptimConfig, TrainConfig, parse_mesh
-    from shardlib.models.hf import load_config
-    from shardlib.train.loop import train
+    from shardlib.interop.hf import load_config
+    from shardlib.run.loop import train
 
     config = Config(mesh=parse_mesh(args.mesh), model=load_config(init_dir),
                     optim=OptimConfig(lr=args.lr),
@@ -130,7 +130,7 @@ def main() -> None:
     devices = setup_devices(8)
     from flax import nnx
 
-    from shardlib.models.hf import save_pretrained
+    from shardlib.interop.hf import save_pretrained
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,7 @@ def config_for(mesh: str, zero: int, layers: int, args: argparse.Namespace, *,
 
 
 def peak_bytes(mesh: str, zero: int, layers: int, args, devices) -> int:
-    from shardlib.analysis.report import analyze
+    from shardlib.inspect import analyze
 
     return analyze(config_for(mesh, zero, layers, args), devices).memory.peak_bytes
 
@@ -79,7 +79,7 @@ def deepest_fitting(mesh: str, zero: int, args, devices) -> dict:
 
 def step_time(reshard: bool, args, devices) -> float:
     """Median step time (s) of a short fsdp=8 run, the first (compile) step dropped."""
-    from shardlib.train.loop import train
+    from shardlib.run.loop import train
 
     config = config_for("fsdp=8", 0, args.time_layers, args, reshard=reshard,
                         steps=args.time_steps)

@@ -23,7 +23,7 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def measure(config, devices) -> dict:
-    from shardlib.analysis.report import analyze
+    from shardlib.inspect import analyze
 
     ins = analyze(config, devices)
     m = ins.memory
@@ -37,7 +37,7 @@ def remat_step_time(model: str, remat: str, args: argparse.Namespace, devices) -
     """Median step time (s) of a short real run with this remat policy, data=8."""
     from shardlib.config import Config, MeshConfig, TrainConfig
     from shardlib.models import get_preset
-    from shardlib.train.loop import train
+    from shardlib.run.loop import train
 
     config = Config(mesh=MeshConfig(data=8),
                     model=dataclasses.replace(get_preset(model), remat=remat),

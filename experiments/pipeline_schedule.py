@@ -28,7 +28,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from shardlib.analysis.memory import compiled_memory  # noqa: E402
-from shardlib.analysis.report import abstract_batch  # noqa: E402
 from shardlib.config import (  # noqa: E402
     Config,
     MeshConfig,
@@ -37,8 +36,9 @@ from shardlib.config import (  # noqa: E402
     PipelineConfig,
     TrainConfig,
 )
-from shardlib.parallel import pipeline  # noqa: E402
-from shardlib.parallel.pipeline_schedule import Schedule, build  # noqa: E402
+from shardlib.inspect import abstract_batch  # noqa: E402
+from shardlib.train import pipeline  # noqa: E402
+from shardlib.train.pipeline_schedule import Schedule, build  # noqa: E402
 from shardlib.train.state import abstract_state, build_setup  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

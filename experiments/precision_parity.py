@@ -36,7 +36,7 @@ def run(policy: str, seed: int, args: argparse.Namespace, devices) -> dict:
 
     from shardlib.config import Config, TrainConfig, parse_mesh
     from shardlib.models import get_preset
-    from shardlib.train.loop import train
+    from shardlib.run.loop import train
     from shardlib.train.state import build_setup, init_state
 
     config = Config(mesh=parse_mesh(args.mesh), model=get_preset(args.model),

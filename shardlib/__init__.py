@@ -15,14 +15,15 @@ from shardlib.config import (
     TrainConfig,
 )
 from shardlib.errors import ConfigError, DistributedError, MeshError, ShardingError, ShardlibError
+from shardlib.interop.hf import from_pretrained, save_pretrained
 from shardlib.mesh import make_mesh, simulate_cpu_devices
-from shardlib.models import GPT, count_params, from_pretrained, get_preset, save_pretrained
+from shardlib.models import GPT, count_params, get_preset
 from shardlib.models.moe import MoEMLP
 from shardlib.parallel.context import sequence_attention
 from shardlib.planner import plan
 from shardlib.reshard import reshard, reshard_cost
+from shardlib.run.loop import TrainResult, train
 from shardlib.train.generate import generate
-from shardlib.train.loop import TrainResult, train
 from shardlib.train.state import TrainSetup, TrainState, build_setup, init_state, param_table
 from shardlib.train.step import make_eval_step, make_train_step
 

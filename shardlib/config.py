@@ -63,7 +63,7 @@ class ModelConfig:
     moe_capacity_factor: float = 1.25  # slots per expert per sequence: cf * k * T / experts
     moe_aux_weight: float = 0.01  # load-balancing loss weight (Switch Transformer)
     moe_z_weight: float = 0.001  # router z-loss weight (ST-MoE)
-    # Architecture options (shardlib.models.hf maps GPT-2 and Llama onto them); the
+    # Architecture options (shardlib.interop.hf maps GPT-2 and Llama onto them); the
     # defaults are shardlib's own model: RMSNorm, plain GELU MLP, no biases, MHA.
     norm: str = "rms"  # "rms" (RMSNorm, Llama) or "layer" (LayerNorm, GPT-2)
     norm_eps: float = 1e-6  # GPT-2 1e-5, Llama 1e-5 or 1e-6
@@ -143,7 +143,7 @@ class AttentionConfig:
 
 @dataclass(frozen=True)
 class CommConfig:
-    """Gradient communication over a slow mesh axis (``shardlib.parallel.comm``, ``diloco``,
+    """Gradient communication over a slow mesh axis (``shardlib.train.comm``, ``diloco``,
     ``comm_policy``): compression, two-level reduction, infrequent sync, an adaptive policy."""
 
     grad_dtype: str = "none"  # none (fp32) | bf16 | fp8_e4m3 | fp8_e5m2: dtype on the slow link
@@ -171,7 +171,7 @@ class CommConfig:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """How microbatches stream through the ``pipeline`` stages (``shardlib.parallel.pipeline``)."""
+    """How microbatches stream through the ``pipeline`` stages (``shardlib.train.pipeline``)."""
 
     schedule: str = "1f1b"  # gpipe: all forwards then all backwards | 1f1b: memory ~ stages
     microbatches: int = 0  # per step; >= pipeline, divides the batch; 0 = up to 4 x pipeline

@@ -44,7 +44,7 @@ def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike,
     """Write the parameters of ``step`` (default: the newest good one) to one safetensors
     file, gathering one tensor at a time on the host: peak memory is the largest tensor."""
     checkpointer = Checkpointer(directory, read_only=True)
-    step = _good_step(checkpointer, step)
+    step = good_step(checkpointer, step)
     arrays = {path.removeprefix("params."): entry
               for path, entry in checkpointer.saved_arrays(step).items()
               if path.startswith("params.")}
@@ -58,14 +58,14 @@ def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike,
     with tmp.open("wb") as f:
         f.write(struct.pack("<Q", len(header)) + header)
         for name in sorted(arrays):  # the header's order; little-endian, like every host
-            value = _read_array(reader, checkpointer, step, arrays[name][0])
+            value = read_array(reader, checkpointer, step, arrays[name][0])
             f.write(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
     os.replace(tmp, out)
     count = sum(math.prod(meta.shape) for _, meta in arrays.values())
     return ExportResult(out, step, len(arrays), count, out.stat().st_size)
 
 
-def _good_step(checkpointer: Checkpointer, step: int | None) -> int:
+def good_step(checkpointer: Checkpointer, step: int | None) -> int:
     """``step`` verified, or the newest step that verifies (warning past damaged ones)."""
     if step is not None:
         checkpointer.verify(checkpointer.resolve_step(step))
@@ -97,7 +97,7 @@ def _safetensors_header(arrays: dict[str, Any], metadata: dict[str, str]) -> byt
     return text + b" " * (-len(text) % 8)
 
 
-def _read_array(reader: ocp.PyTreeCheckpointer, checkpointer: Checkpointer, step: int,
+def read_array(reader: ocp.PyTreeCheckpointer, checkpointer: Checkpointer, step: int,
                 key_path: tuple) -> np.ndarray:
     """One saved array, whole, as a host NumPy array (orbax reads only that array)."""
     keys = [jax.tree_util.keystr((key,), simple=True) for key in key_path]

@@ -11,6 +11,14 @@ the weights outside the layers (embedding, positions, final norm, head). Each ga
 weight is tagged ``GATHERED`` (``jax.ad_checkpoint.checkpoint_name``) so the layer's
 remat policy (``weights_policy``) can drop it after forward and gather it again in
 backward (``reshard_after_forward``, torchtitan's name), or keep it.
+
+Layer hooks (``enter_region``, ``exit_region``, ``sequence_rows``, ``vocab_lookup``,
+``attention``, ``expert_ffn``): the places where Megatron TP/SP, context parallelism and
+expert parallelism act inside a layer. Each is the plain computation until
+``shardlib.parallel`` installs its strategy (``install_layer_hooks``, once, on import);
+the installed function is itself the plain computation unless its strategy is active
+for the trace (``parallel.tensor.manual_tensor``, ``parallel.context.context_parallel``,
+an ``expert`` axis in the active rules).
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 GATHERED = "fsdp_gathered"  # checkpoint name of a weight gathered for one unit's use
@@ -97,3 +106,63 @@ def weights_policy(base: Callable | None) -> tuple[bool, Callable | None]:
     if base is None:
         return False, None
     return True, policies.save_from_both_policies(base, keep)
+
+
+# --- layer hooks ---------------------------------------------------------------------------
+
+_LAYER: dict[str, Callable] = {}  # name -> the installed strategy's function
+
+
+def install_layer_hooks(**fns: Callable) -> None:
+    """Route the named layer hooks to ``fns`` (``shardlib.parallel`` calls this)."""
+    unknown = set(fns) - LAYER_HOOKS
+    if unknown:
+        raise TypeError(f"install_layer_hooks: unknown hooks {sorted(unknown)}; "
+                        f"known: {sorted(LAYER_HOOKS)}")
+    _LAYER.update(fns)
+
+
+def enter_region(x_btd: jax.Array) -> jax.Array:
+    """Megatron's f, before a column-parallel projection (plain: the identity)."""
+    fn = _LAYER.get("enter_region")
+    return x_btd if fn is None else fn(x_btd)
+
+
+def exit_region(y_btd: jax.Array) -> jax.Array:
+    """Megatron's g, after a row-parallel projection (plain: the identity)."""
+    fn = _LAYER.get("exit_region")
+    return y_btd if fn is None else fn(y_btd)
+
+
+def sequence_rows(x_td: jax.Array) -> jax.Array:
+    """This device's rows of a (T, ...) table (plain: all of them)."""
+    fn = _LAYER.get("sequence_rows")
+    return x_td if fn is None else fn(x_td)
+
+
+def vocab_lookup(w_vd: jax.Array, tokens_bt: jax.Array) -> jax.Array:
+    """Embedding rows of ``tokens_bt`` (plain: a take from the whole table)."""
+    fn = _LAYER.get("vocab_lookup")
+    return jnp.take(w_vd, tokens_bt, axis=0) if fn is None else fn(w_vd, tokens_bt)
+
+
+def attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *,
+              local: Callable[..., jax.Array]) -> jax.Array:
+    """Causal attention over the whole sequence; ``local`` is the model's own kernel,
+    used unless a context-parallel method takes over."""
+    fn = _LAYER.get("attention")
+    return local(q_bthk, k_bthk, v_bthk) if fn is None else fn(q_bthk, k_bthk, v_bthk, local)
+
+
+def expert_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array, *,
+               local: Callable[..., jax.Array]) -> jax.Array:
+    """Every expert's MLP on its capacity slots; ``local`` computes them all in place,
+    used unless expert parallelism dispatches them (all-to-all over ``expert``)."""
+    fn = _LAYER.get("expert_ffn")
+    if fn is None:
+        return local(x_becd, w_in_edf, w_out_efd)
+    return fn(x_becd, w_in_edf, w_out_efd, local)
+
+
+LAYER_HOOKS = frozenset({"enter_region", "exit_region", "sequence_rows", "vocab_lookup",
+                         "attention", "expert_ffn"})

@@ -20,6 +20,7 @@ from shardlib.analysis.memory import compiled_memory
 from shardlib.analysis.mfu import Peak, peak_flops
 from shardlib.config import TrainConfig
 from shardlib.errors import ConfigError
+from shardlib.reporting import Reporters
 
 # metrics-row key -> TensorBoard tag
 SCALAR_TAGS = {
@@ -221,6 +222,4 @@ def attach(reporter: Any, tc: TrainConfig) -> Any:
     check(tc)
     if not tc.tensorboard_dir:
         return reporter
-    from shardlib.reporting import Reporters
-
     return Reporters(reporter, TensorBoardReporter(tc.tensorboard_dir))

@@ -15,9 +15,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from shardlib.analysis.tables import rules_line, sharding_table
 from shardlib.errors import ConfigError
 from shardlib.mesh import describe
-from shardlib.train.state import TrainSetup, param_table
+from shardlib.train.setup import TrainSetup
+from shardlib.units import format_bytes
 
 
 class Reporter(Protocol):
@@ -41,36 +43,6 @@ def summary_value(key: str, value: Any) -> str:
     if key == "peak_flops" and isinstance(value, float):
         return f"{value / 1e12:,.3f} TFLOP/s"
     return f"{value:,.4f}" if isinstance(value, float) else str(value)
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
-
-
-def sharding_table(setup: TrainSetup) -> Table:
-    """Every parameter: path, global shape, logical dims, PartitionSpec, bytes/device."""
-    table = Table(title="Parameters", title_justify="left")
-    for column in ("path", "shape", "logical dims", "PartitionSpec", "bytes/device"):
-        table.add_column(column, justify="right" if column == "bytes/device" else "left",
-                         no_wrap=column == "path")
-    rows = param_table(setup)
-    for row in rows:
-        spec = "(" + ", ".join(str(e) for e in row.spec) + ")"
-        table.add_row(row.path, str(row.shape), ", ".join(row.logical), spec,
-                      format_bytes(row.bytes_per_device))
-    total = sum(row.bytes_per_device for row in rows)
-    table.add_row("total", "", "", "", format_bytes(total), style="bold")
-    return table
-
-
-def rules_line(setup: TrainSetup) -> str:
-    active = {dim: axes for dim, axes in setup.rules.items()
-              if any(setup.sizes[a] > 1 for a in axes)}
-    return "rules " + (", ".join(f"{d}->{'+'.join(a)}" for d, a in active.items()) or "(none)")
 
 
 class ConsoleReporter:

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from shardlib.errors import ShardingError
 from shardlib.mesh import MESH_AXES
+from shardlib.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,6 @@ class ReshardCost:
 
     def describe(self) -> str:
         """One line: ``reshard: 1.50 MiB per device (all-gather over fsdp: 1.50 MiB)``."""
-        from shardlib.reporting import format_bytes
-
         parts = ", ".join(f"{k}: {format_bytes(v)}" for k, v in self.by_kind().items())
         return (f"reshard: {format_bytes(self.bytes_per_device)} per device, "
                 f"{sum(m.kind not in ('none', 'slice') for m in self.moves)} of "

@@ -10,8 +10,8 @@ import functools
 
 import jax
 
-from shardlib.analysis.report import Inspection, analyze
 from shardlib.config import Config, MeshConfig
+from shardlib.inspect import Inspection, analyze
 from tests.helpers import tiny_config
 
 CASES: dict[str, tuple[MeshConfig, dict]] = {

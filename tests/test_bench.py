@@ -22,7 +22,7 @@ from shardlib.cli import build_parser, config_from_args
 from shardlib.config import Config, MeshConfig, TrainConfig
 from shardlib.errors import ConfigError
 from shardlib.models import get_preset
-from shardlib.train.loop import train
+from shardlib.run.loop import train
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "experiments"))
 import bench  # noqa: E402
@@ -80,7 +80,7 @@ def test_linear_has_autodiffs_gradients(spec, x_shape, w_shape):
 def test_step_time_waits_for_the_results():
     """Steps run asynchronously: a row's step time must cover the wait for its metrics,
     not only the dispatch (else tokens/s and MFU come out many times too high)."""
-    from shardlib.train.loop import _rows
+    from shardlib.run.loop import _rows
 
     a_nn = jnp.eye(1024) * 0.5
     chain = jax.jit(lambda a: jnp.sum(jax.lax.fori_loop(0, 24, lambda _, x: x @ a, a)))

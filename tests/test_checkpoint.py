@@ -24,7 +24,7 @@ from shardlib.config import CheckpointConfig, Config, MeshConfig, to_dict
 from shardlib.errors import CheckpointError, DamagedCheckpointError
 from shardlib.export import export_safetensors
 from shardlib.reporting import NullReporter
-from shardlib.train.loop import train
+from shardlib.run.loop import train
 from shardlib.train.state import build_setup
 from shardlib.train.step import make_train_step
 from tests.helpers import relative_error, tiny_config
@@ -88,7 +88,7 @@ def test_saves_handed_over_after_the_next_dispatch_hold_their_steps(reference, t
     """With the non-donating step ready from the start, every in-loop save skips the copy
     and starts only once the next step is dispatched; the steps saved are bitwise the
     reference run's, and so are the losses."""
-    from shardlib.train import loop
+    from shardlib.run import loop
 
     def ready_at_once(setup, state, batch, checkpointer):
         step_fn = make_train_step(setup, donate=False).lower(state, batch).compile()

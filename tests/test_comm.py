@@ -13,13 +13,13 @@ from jax.sharding import PartitionSpec as P
 
 from shardlib import data as data_lib
 from shardlib.analysis.hlo import collectives_of, parse_collectives
-from shardlib.analysis.report import abstract_batch
 from shardlib.checkpoint import Checkpointer
 from shardlib.config import CommConfig, MeshConfig, apply_overrides
 from shardlib.errors import ConfigError
+from shardlib.inspect import abstract_batch
 from shardlib.mesh import make_mesh
-from shardlib.parallel import comm
-from shardlib.parallel import comm_policy as policy
+from shardlib.train import comm
+from shardlib.train import comm_policy as policy
 from shardlib.train import state as state_lib
 from shardlib.train.state import abstract_state, build_setup, init_state
 from shardlib.train.step import make_train_step

@@ -11,7 +11,6 @@ import math
 import pytest
 
 from shardlib.analysis.hlo import Collective
-from shardlib.analysis.report import Inspection, per_axis
 from shardlib.analysis.theory import (
     comm_bytes,
     comm_terms,
@@ -20,6 +19,7 @@ from shardlib.analysis.theory import (
     unit_elements,
 )
 from shardlib.config import Config, MeshConfig, TrainConfig
+from shardlib.inspect import Inspection, per_axis
 from shardlib.models import count_params, get_preset
 from tests.inspect_cases import CASES, inspection
 

@@ -14,8 +14,8 @@ import functools
 
 import pytest
 
-from shardlib.analysis.report import Inspection, analyze
 from shardlib.config import Config, MeshConfig, TrainConfig, parse_mesh
+from shardlib.inspect import Inspection, analyze
 from shardlib.models import get_preset
 
 SHALLOW, DEEP = 2, 6

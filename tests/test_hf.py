@@ -20,9 +20,9 @@ from shardlib import data as data_lib  # noqa: E402
 from shardlib.cli import build_parser, config_from_args, main  # noqa: E402
 from shardlib.config import CheckpointConfig, Config, MeshConfig, TrainConfig  # noqa: E402
 from shardlib.errors import CheckpointError, ConfigError  # noqa: E402
-from shardlib.models import hf  # noqa: E402
+from shardlib.interop import hf  # noqa: E402
+from shardlib.run.loop import train  # noqa: E402
 from shardlib.sharding import activation_rules  # noqa: E402
-from shardlib.train.loop import train  # noqa: E402
 from shardlib.train.state import build_setup  # noqa: E402
 
 TOL = 1e-4  # max |logit difference|; logits are O(1-10) with initializer_range 0.2

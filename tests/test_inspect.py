@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from shardlib.analysis.flops import model_flops_per_token
-from shardlib.analysis.report import render, to_json
+from shardlib.inspect import render, to_json
 from shardlib.models import count_params
 from tests.inspect_cases import case_config, inspection
 

@@ -50,8 +50,9 @@ def layer_of(module: str) -> int:
 def imports(path: Path) -> list[tuple[str, tuple[str, ...], bool]]:
     """(imported shardlib module, names taken, inside a function?) for each import."""
     tree, out = ast.parse(path.read_text()), []
-    local_nodes = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
-                   for n in ast.walk(f) if isinstance(n, ast.Import | ast.ImportFrom)}
+    functions = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+    local_nodes = {id(n) for f in functions for n in ast.walk(f)
+                   if isinstance(n, ast.Import | ast.ImportFrom)}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("shardlib"):
             names = tuple(a.name for a in node.names)

@@ -31,7 +31,7 @@ from shardlib.checkpoint import Checkpointer
 from shardlib.cli import build_parser, config_from_args, main
 from shardlib.data import synthetic_corpus
 from shardlib.launch import Launcher
-from shardlib.train.loop import train
+from shardlib.run.loop import train
 from shardlib.train.state import build_setup
 from tests.helpers import relative_error
 

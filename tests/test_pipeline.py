@@ -28,8 +28,8 @@ from shardlib.config import (
     parse_mesh,
 )
 from shardlib.errors import ConfigError
-from shardlib.parallel import pipeline
-from shardlib.parallel.pipeline_schedule import BWD, FWD, IDLE, build, with_slots
+from shardlib.train import pipeline
+from shardlib.train.pipeline_schedule import BWD, FWD, IDLE, build, with_slots
 from shardlib.train.state import TrainSetup, TrainState, build_setup, init_state
 from shardlib.train.step import loss_fn, make_train_step
 from tests.helpers import relative_error

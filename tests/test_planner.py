@@ -15,12 +15,12 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlib.analysis.hlo import comm_bytes_per_device, parse_collectives
+from shardlib.cli.plan import parse_bytes, parse_pinned
 from shardlib.config import Config, TrainConfig, parse_mesh
 from shardlib.errors import ConfigError, ShardingError, ShardlibError
 from shardlib.mesh import MESH_AXES, make_mesh
 from shardlib.models import count_params, get_preset
 from shardlib.planner import cost, profiles, search, space
-from shardlib.planner.cli import parse_bytes, parse_pinned
 from shardlib.planner.resolve import resolve_auto
 from shardlib.reshard import reshard, reshard_cost, spec_move_bytes
 from shardlib.train.state import build_setup, mesh_degrees

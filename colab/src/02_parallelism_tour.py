@@ -36,8 +36,7 @@ from jax.sharding import PartitionSpec as P
 from rich.console import Console
 
 from shardlib import sharding
-from shardlib.analysis import analyze
-from shardlib.analysis.report import collectives_table, per_axis
+from shardlib.inspect import analyze, collectives_table, per_axis
 
 STRATEGIES = {
     "DP": shardlib.MeshConfig(data=8),

@@ -26,7 +26,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardlib.analysis import analyze, parse_collectives
+from shardlib.analysis import parse_collectives
+from shardlib.inspect import analyze
 from shardlib.parallel import context
 
 # %% [markdown]
@@ -186,17 +187,17 @@ plt.show()
 # `(P-1)/(M+P-1)` of the time under GPipe and 1F1B alike. 1F1B runs each backward as soon
 # as it can, so a stage keeps at most `P` microbatches' activations instead of `M`.
 #
-# This part needs `shardlib.parallel.pipeline`, which is new; the cell checks for it and
+# This part needs `shardlib.train.pipeline`, which is new; the cell checks for it and
 # says so if this version of shardlib does not have it.
 
 # %%
 try:
-    from shardlib.parallel import pipeline, pipeline_schedule  # noqa: F401
+    from shardlib.train import pipeline, pipeline_schedule  # noqa: F401
     HAVE_PIPELINE = True
 except ImportError as err:
     HAVE_PIPELINE = False
     print(f"SKIPPED: this shardlib has no pipeline parallelism ({err}); the rest of this "
-          "notebook needs shardlib.parallel.pipeline")
+          "notebook needs shardlib.train.pipeline")
 
 # %%
 if HAVE_PIPELINE:

@@ -1,6 +1,6 @@
 """Analysis of compiled programs: collectives and bytes moved (``hlo``), memory and FLOPs
-per device (``memory``, ``flops``), the formulas they are held against (``theory``) and the
-``shardlib inspect`` report (``report``)."""
+per device (``memory``, ``flops``), the formulas they are held against (``theory``);
+``shardlib.inspect`` builds the ``shardlib inspect`` report from them."""
 
 from shardlib.analysis.flops import FlopsReport, model_flops_per_token, xla_flops
 from shardlib.analysis.hlo import (
@@ -18,7 +18,6 @@ from shardlib.analysis.hlo import (
 )
 from shardlib.analysis.memory import MemoryReport, state_bytes
 from shardlib.analysis.mfu import PEAK_BF16_FLOPS, Peak, peak_flops, published_peak_flops
-from shardlib.analysis.report import Inspection, analyze, inspect, render, to_json
 from shardlib.analysis.theory import Term, comm_terms, state_bytes_per_device
 
 __all__ = [
@@ -29,25 +28,20 @@ __all__ = [
     "PEAK_BF16_FLOPS",
     "Peak",
     "HloParseError",
-    "Inspection",
     "MemoryReport",
     "Term",
     "Traffic",
-    "analyze",
     "collectives_of",
     "comm_bytes_per_device",
     "comm_terms",
     "compiled_text",
     "format_collectives",
-    "inspect",
     "model_flops_per_token",
     "parse_collectives",
     "peak_flops",
     "published_peak_flops",
-    "render",
     "state_bytes",
     "state_bytes_per_device",
     "summarize_by_axis",
-    "to_json",
     "xla_flops",
 ]

@@ -1,7 +1,6 @@
 """Models: layers that speak logical dims, the GPT, and size presets."""
 
 from shardlib.models.gpt import GPT, Block, count_params
-from shardlib.models.hf import from_pretrained, load_config, save_pretrained
 from shardlib.models.presets import PRESETS, check_model, get_preset
 
 __all__ = ["GPT", "Block", "PRESETS", "check_model", "count_params", "from_pretrained",

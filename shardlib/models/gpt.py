@@ -29,7 +29,6 @@ from shardlib.models.layers import (
     stack_layers,
 )
 from shardlib.models.moe import MoEMLP, MoEStats, num_moe_layers, run_groups
-from shardlib.parallel import tensor
 from shardlib.sharding import constrain
 
 
@@ -127,13 +126,13 @@ class GPT(nnx.Module):
         """Tokens (B, T) -> the first block's input (B, T, D), positions added."""
         x_btd = self.embed(tokens_bt)
         if self.cfg.pos_embedding == "learned":
-            pos_td = tensor.sequence_rows(self.pos_td[...][: tokens_bt.shape[1]])
+            pos_td = hooks.sequence_rows(self.pos_td[...][: tokens_bt.shape[1]])
             x_btd = x_btd + pos_td[None]  # (1, T, D); this device's T/t rows under SP
         return x_btd
 
     def head(self, x_btd: jax.Array) -> jax.Array:
         """The last block's output (B, T, D) -> logits (B, T, vocab): final norm, LM head."""
-        x_btd = tensor.enter_region(self.final_norm(x_btd))  # f: the head is vocab-parallel
+        x_btd = hooks.enter_region(self.final_norm(x_btd))  # f: the head is vocab-parallel
         if self.cfg.tie_embeddings:
             return self.embed.attend(x_btd)
         logits_btv = jnp.einsum("btd,dv->btv", x_btd, self.w_head_dv[...])

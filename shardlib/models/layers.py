@@ -4,8 +4,9 @@ Every ``nnx.Param`` carries ``logical=(dim, ...)`` metadata, one name per array 
 sharding module turns those names into PartitionSpecs. Activations are pinned with
 ``constrain(x, (logical dims))``. Names end in their dims: ``w_dhk`` is (d_model, heads,
 head_dim), ``x_btd`` is (batch, time, d_model). Megatron's f and g around the column- and
-row-parallel projections (``parallel.tensor``) are the identity unless explicit TP/SP is
-active; head counts and widths come from the arrays, so local tensor shards just work.
+row-parallel projections (``hooks``, installed by ``parallel.tensor``) are the identity
+unless explicit TP/SP is active; head counts and widths come from the arrays, so local
+tensor shards just work.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlib import hooks
-from shardlib.parallel import context, tensor
 from shardlib.sharding import constrain
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
@@ -44,12 +44,12 @@ class Embed(nnx.Module):
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:
         # Gather the table's embed dim first (FSDP), keep vocab split (vocab-parallel lookup).
         w_vd = constrain(self.w_vd[...], ("act_vocab", None))
-        x_btd = tensor.vocab_lookup(w_vd, tokens_bt)
+        x_btd = hooks.vocab_lookup(w_vd, tokens_bt)
         return constrain(x_btd, ("act_batch", "act_res_seq", "act_embed"))
 
     def attend(self, x_btd: jax.Array) -> jax.Array:
         """Logits against the embedding matrix (tied head); ``x_btd`` is already past
-        Megatron's f (``tensor.enter_region``), as the vocab dim is column-parallel."""
+        Megatron's f (``hooks.enter_region``), as the vocab dim is column-parallel."""
         logits_btv = jnp.einsum("btd,vd->btv", x_btd, self.w_vd[...])
         return constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"))
 
@@ -126,7 +126,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         heads = ("act_batch", "act_seq", "act_heads", "act_head_dim")
-        x_btd = tensor.enter_region(x_btd)  # Megatron's f: SP gathers the sequence here
+        x_btd = hooks.enter_region(x_btd)  # Megatron's f: SP gathers the sequence here
         q_bthk, k_bthk, v_bthk = (constrain(a, heads) for a in self.project_qkv(x_btd))
         if self.rope_theta is not None:
             cos, sin = rope_tables(x_btd.shape[1], q_bthk.shape[-1], self.rope_theta)
@@ -135,15 +135,10 @@ class Attention(nnx.Module):
         if groups > 1:  # GQA: query head h reads K/V head h // groups (local under TP)
             k_bthk, v_bthk = (constrain(jnp.repeat(a, groups, axis=2), heads)
                               for a in (k_bthk, v_bthk))
-        if context.active_method() is not None:  # ring / ulysses / allgather over `sequence`
-            out_bthk = context.context_attention(q_bthk, k_bthk, v_bthk)
-        else:
-            # Every query block needs all earlier keys: gather K/V along the sequence.
-            kv = ("act_batch", "act_kv_seq", "act_heads", "act_head_dim")
-            k_bshk, v_bshk = constrain(k_bthk, kv), constrain(v_bthk, kv)
-            out_bthk = causal_attention(q_bthk, k_bshk, v_bshk)
+        # ring / ulysses / allgather over `sequence` when context parallelism is on
+        out_bthk = hooks.attention(q_bthk, k_bthk, v_bthk, local=gathered_kv_attention)
         out_btd = linear("bthk,hkd->btd", constrain(out_bthk, heads), self.w_o_hkd[...])
-        out_btd = tensor.exit_region(out_btd)  # Megatron's g; the bias is added once, after
+        out_btd = hooks.exit_region(out_btd)  # Megatron's g; the bias is added once, after
         if self.use_bias:
             out_btd = out_btd + self.b_o_d[...]
         return constrain(out_btd, ("act_batch", "act_res_seq", "act_embed"))
@@ -194,6 +189,14 @@ def _linear_bwd(spec: str, residuals: tuple[jax.Array, jax.Array], g: jax.Array)
 linear.defvjp(_linear_fwd, _linear_bwd)
 
 
+def gathered_kv_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array
+                          ) -> jax.Array:
+    """Causal attention with K/V gathered along the sequence: every query block needs
+    all earlier keys (XLA inserts the gather when ``act_kv_seq`` is unsplit)."""
+    kv = ("act_batch", "act_kv_seq", "act_heads", "act_head_dim")
+    return causal_attention(q_bthk, constrain(k_bthk, kv), constrain(v_bthk, kv))
+
+
 def causal_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array) -> jax.Array:
     """softmax(q k^T / sqrt(k) + causal mask) v, softmax in fp32."""
     scale = q_bthk.shape[-1] ** -0.5
@@ -234,7 +237,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         act = ACTIVATIONS[self.activation]
-        x_btd = tensor.enter_region(x_btd)  # Megatron's f
+        x_btd = hooks.enter_region(x_btd)  # Megatron's f
         if self.gated:  # one einsum for gate and in: one input-gradient all-reduce under TP
             w_cdf = hooks.gathered(jnp.stack([self.w_gate_df[...], self.w_in_df[...]]))
             gate_btf, h_btf = linear("btd,cdf->cbtf", x_btd, w_cdf)  # 2 x (B, T, F)
@@ -245,7 +248,7 @@ class MLP(nnx.Module):
             h_btf = linear("btd,df->btf", x_btd, self.w_in_df[...])
             h_btf = act(h_btf + self.b_in_f[...] if self.use_bias else h_btf)
         h_btf = constrain(h_btf, ("act_batch", "act_seq", "act_mlp"))
-        out_btd = tensor.exit_region(linear("btf,fd->btd", h_btf, self.w_out_fd[...]))  # g
+        out_btd = hooks.exit_region(linear("btf,fd->btd", h_btf, self.w_out_fd[...]))  # g
         if self.use_bias:
             out_btd = out_btd + self.b_out_d[...]
         return constrain(out_btd, ("act_batch", "act_res_seq", "act_embed"))

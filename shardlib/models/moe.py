@@ -10,8 +10,9 @@ A dropped assignment contributes nothing; the residual carries the token on.
 
 Dispatch and combine are one-hot einsums (GShard): ``x_becd = x_btd . dispatch_btec``
 puts each kept token in its expert slot, ``y_btd = y_becd . combine_btec`` weights the
-expert outputs by their gates. ``shardlib.parallel.moe.expert_ffn`` runs the experts,
-with an all-to-all over the ``expert`` axis when the experts are split over devices.
+expert outputs by their gates. ``hooks.expert_ffn`` runs the experts (``local_ffn``, or
+``parallel.moe``'s dispatch, with an all-to-all over the ``expert`` axis when the experts
+are split over devices).
 """
 
 from __future__ import annotations
@@ -102,6 +103,13 @@ def router_stats(logits_bte: jax.Array, probs_bte: jax.Array, choice_btke: jax.A
             "dropped_frac": 1.0 - jnp.mean(kept_b), "load_e": jnp.mean(load_be, axis=0)}
 
 
+def local_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array) -> jax.Array:
+    """The experts with all E on hand (or as many as the map gives this device)."""
+    h_becf = jax.nn.gelu(jnp.einsum("becd,edf->becf", x_becd, w_in_edf))
+    h_becf = constrain(h_becf, ("act_batch", None, None, "act_mlp"))
+    return jnp.einsum("becf,efd->becd", h_becf, w_out_efd)
+
+
 class MoEMLP(nnx.Module):
     """``num_experts`` GELU MLPs behind a top-k router; experts split over ``expert``,
     their hidden dim over ``tensor`` and their embed dim over ``fsdp`` (by the rules)."""
@@ -122,11 +130,10 @@ class MoEMLP(nnx.Module):
         return route(logits_bte, top_k=self.top_k, capacity=slots)
 
     def __call__(self, x_btd: jax.Array) -> tuple[jax.Array, MoEStats]:
-        from shardlib.parallel.moe import expert_ffn  # parallel imports models: import late
-
         routing = self.route(x_btd)
         x_becd = jnp.einsum("btd,btec->becd", x_btd, routing.dispatch_btec.astype(x_btd.dtype))
-        y_becd = expert_ffn(x_becd, self.w_in_edf[...], self.w_out_efd[...])
+        y_becd = hooks.expert_ffn(x_becd, self.w_in_edf[...], self.w_out_efd[...],
+                                  local=local_ffn)
         out_btd = jnp.einsum("becd,btec->btd", y_becd, routing.combine_btec.astype(y_becd.dtype))
         return constrain(out_btd, ("act_batch", "act_res_seq", "act_embed")), routing.stats
 

@@ -1,1 +1,11 @@
-"""Strategies that need explicit collectives in ``jax.shard_map``."""
+"""Layer-level strategies: the pieces that act inside a layer (FSDP's per-layer gathers,
+Megatron TP/SP, context parallelism, expert dispatch). The model never imports them: it
+calls ``shardlib.hooks``, and importing this package installs them there."""
+
+from shardlib import hooks
+from shardlib.parallel import context, moe, tensor
+
+hooks.install_layer_hooks(
+    enter_region=tensor.enter_region, exit_region=tensor.exit_region,
+    sequence_rows=tensor.sequence_rows, vocab_lookup=tensor.vocab_lookup,
+    attention=context.attend, expert_ffn=moe.expert_ffn)

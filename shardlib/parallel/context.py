@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from fractions import Fraction
 
 import jax
@@ -307,6 +307,14 @@ def sequence_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, 
         lambda q, k, v: local(q, k, v, causal=causal), mesh=mesh,
         in_specs=(spec, spec, spec), out_specs=spec,
     )(q_bthk, k_bthk, v_bthk)
+
+
+def attend(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array,
+           local: Callable[..., jax.Array]) -> jax.Array:
+    """The model's attention hook: the active method's, or ``local`` when none is."""
+    if active_method() is None:
+        return local(q_bthk, k_bthk, v_bthk)
+    return context_attention(q_bthk, k_bthk, v_bthk)
 
 
 def context_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array) -> jax.Array:

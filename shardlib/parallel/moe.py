@@ -22,7 +22,7 @@ with the partial outputs summed over ``tensor`` (Megatron's row-parallel all-red
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 
 import jax
@@ -31,7 +31,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from shardlib import collectives
 from shardlib.errors import ShardingError
-from shardlib.sharding import Rules, active_rules, constrain, logical_to_spec
+from shardlib.models.moe import local_ffn
+from shardlib.sharding import Rules, active_rules, logical_to_spec
 
 KEEP_SPLIT = {"expert": {"expert"}, "mlp": {"tensor"}}
 """Inside the map, these logical dims of the expert weights stay split over these axes;
@@ -39,24 +40,18 @@ every other split (e.g. ``embed`` over ``fsdp``) is all-gathered first."""
 W_IN_DIMS, W_OUT_DIMS = ("expert", "embed", "mlp"), ("expert", "mlp", "embed")
 
 
-def expert_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array) -> jax.Array:
+def expert_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array,
+               local: Callable[..., jax.Array] = local_ffn) -> jax.Array:
     """Every expert's GELU MLP on its capacity slots: (B, E, C, d) -> (B, E, C, d).
 
     Expert-parallel (all-to-all over ``expert``) when the enclosing ``activation_rules``
-    mesh has ``expert`` > 1; otherwise one local computation that XLA partitions.
+    mesh has ``expert`` > 1; otherwise ``local``, one computation that XLA partitions.
     """
     active = active_rules()
     inside_map = bool(jax.sharding.get_abstract_mesh().manual_axes)
     if active is None or inside_map or active[0].shape.get("expert", 1) == 1:
-        return local_ffn(x_becd, w_in_edf, w_out_efd)
+        return local(x_becd, w_in_edf, w_out_efd)
     return expert_parallel_ffn(x_becd, w_in_edf, w_out_efd, mesh=active[0], rules=active[1])
-
-
-def local_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array) -> jax.Array:
-    """The experts with all E on hand (or as many as the map gives this device)."""
-    h_becf = jax.nn.gelu(jnp.einsum("becd,edf->becf", x_becd, w_in_edf))
-    h_becf = constrain(h_becf, ("act_batch", None, None, "act_mlp"))
-    return jnp.einsum("becf,efd->becd", h_becf, w_out_efd)
 
 
 def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:

@@ -7,25 +7,14 @@ reason), costs the rest with the theory formulas, compiles the most promising on
 of time from abstract inputs for exact memory and collective bytes, and ranks them by a
 predicted step time (``cost``). ``shardlib plan`` prints it; ``shardlib train --mesh
 auto`` trains with the pick.
-
-Names load on first use, so ``shardlib --help`` does not import the model code.
 """
 
-from importlib import import_module
-from typing import Any
+from shardlib.planner.cost import Estimate, Figures, predict
+from shardlib.planner.profiles import PRESETS, DeviceProfile, Link, get_profile
+from shardlib.planner.resolve import resolve_auto
+from shardlib.planner.search import Plan, Scored, compile_candidate, plan
+from shardlib.planner.space import Candidate, Rejected, enumerate_space
 
-_EXPORTS = {
-    "Estimate": "cost", "Figures": "cost", "predict": "cost",
-    "PRESETS": "profiles", "DeviceProfile": "profiles", "Link": "profiles",
-    "get_profile": "profiles", "resolve_auto": "resolve", "Plan": "search",
-    "Scored": "search", "compile_candidate": "search", "plan": "search",
-    "Candidate": "space", "Rejected": "space", "enumerate_space": "space",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'shardlib.planner' has no attribute {name!r}")
-    return getattr(import_module(f"shardlib.planner.{_EXPORTS[name]}"), name)
+__all__ = ["PRESETS", "Candidate", "DeviceProfile", "Estimate", "Figures", "Link", "Plan",
+           "Rejected", "Scored", "compile_candidate", "enumerate_space", "get_profile",
+           "plan", "predict", "resolve_auto"]

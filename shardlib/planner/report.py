@@ -10,7 +10,7 @@ from rich.table import Table
 
 from shardlib.planner.search import Plan, Scored
 from shardlib.planner.space import Rejected
-from shardlib.reporting import format_bytes
+from shardlib.units import format_bytes
 
 
 def train_command(plan: Plan, scored: Scored) -> str:

@@ -10,6 +10,8 @@ import jax
 from shardlib.config import Config
 from shardlib.errors import ConfigError
 from shardlib.planner.profiles import DeviceProfile, get_profile
+from shardlib.planner.report import train_command
+from shardlib.planner.search import plan
 
 
 def profile_for(device: jax.Device) -> DeviceProfile:
@@ -40,9 +42,6 @@ def resolve_auto(config: Config, devices: list[jax.Device] | None = None, *,
     (``profile``: default the devices' own; ``compile_top``: candidates compiled)."""
     if not config.mesh.auto:
         return config
-    from shardlib.planner.report import train_command
-    from shardlib.planner.search import plan
-
     devices = list(jax.devices() if devices is None else devices)
     profile = profile or profile_for(devices[0])
     result = plan(config, len(devices), profile, devices=devices, compile_top=compile_top,

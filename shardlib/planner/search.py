@@ -24,7 +24,11 @@ from typing import Any, NamedTuple
 
 import jax
 
+from shardlib.analysis.hlo import parse_collectives
+from shardlib.analysis.memory import compiled_memory, state_bytes
 from shardlib.config import Config, to_dict
+from shardlib.inspect import abstract_batch
+from shardlib.mesh import MESH_AXES
 from shardlib.planner.cost import (
     Estimate,
     Figures,
@@ -38,7 +42,10 @@ from shardlib.planner.cost import (
 )
 from shardlib.planner.profiles import DeviceProfile, cache_dir
 from shardlib.planner.space import MICROBATCHES, REMATS, Candidate, Rejected, enumerate_space
+from shardlib.planner.switch import switch_bytes
 from shardlib.precision import resolve as resolve_policy
+from shardlib.train.state import abstract_state, build_setup
+from shardlib.train.step import make_train_step
 
 MEMORY_MARGIN = 0.3
 """How far the analytic memory estimate may be off before a verdict needs a compile."""
@@ -170,12 +177,6 @@ def compile_candidate(config: Config, cand: Candidate, devices: list[jax.Device]
     """AOT-compile the train step of ``cand`` from abstract inputs (nothing allocated);
     its memory and collectives, and the executable (callable with real arrays of the
     same shardings)."""
-    from shardlib.analysis.hlo import parse_collectives
-    from shardlib.analysis.memory import compiled_memory, state_bytes
-    from shardlib.analysis.report import abstract_batch
-    from shardlib.train.state import abstract_state, build_setup
-    from shardlib.train.step import make_train_step
-
     setup = build_setup(cand.apply(config), devices)
     state, batch = abstract_state(setup), abstract_batch(setup)
     started = time.perf_counter()
@@ -327,9 +328,6 @@ def _refine(config: Config, scored: list[Scored], devices: list[jax.Device],
 
 def _price_switch(config: Config, scored: list[Scored], source: Mapping[str, int]) -> None:
     """Bytes per device to reshard the train state from ``source`` to each mesh."""
-    from shardlib.mesh import MESH_AXES
-    from shardlib.planner.switch import switch_bytes
-
     src = {a: int(source.get(a, 1)) for a in MESH_AXES}
     memo: dict[tuple, int] = {}
     for s in scored:

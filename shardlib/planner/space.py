@@ -24,6 +24,7 @@ from shardlib.config import Config, MeshConfig
 from shardlib.errors import ConfigError, ShardlibError
 from shardlib.mesh import MESH_AXES
 from shardlib.models import GPT, check_model
+from shardlib.train.state import param_specs
 
 COSTED_AXES: tuple[str, ...] = ("data", "fsdp", "sequence", "tensor")
 """Axes the cost model has formulas for; any other axis in ``MESH_AXES`` stays at 1."""
@@ -159,19 +160,18 @@ def batch_problem(config: Config, sizes: Mapping[str, int], microbatches: int) -
 
 
 @cache
-def _abstract_params(model_config) -> nnx.State:
+def abstract_params(model_config) -> nnx.State:
+    """The model's parameters as shapes (no arrays), cached per model config."""
     return nnx.split(nnx.eval_shape(lambda: GPT(model_config, rngs=nnx.Rngs(0))))[1]
 
 
 @cache
 def _library_check_cached(mesh_cfg: MeshConfig, rules: tuple, model_config,
                           sizes: tuple[tuple[str, int], ...]) -> str | None:
-    from shardlib.train.state import param_specs
-
     size_map = dict(sizes)
     try:
         rule_map = sharding.make_rules(mesh_cfg, size_map, rules)
-        param_specs(_abstract_params(model_config), rule_map, size_map)
+        param_specs(abstract_params(model_config), rule_map, size_map)
     except ShardlibError as err:
         return str(err).split(";")[0]
     return None

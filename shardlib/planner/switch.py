@@ -13,18 +13,17 @@ from flax import nnx
 
 from shardlib import sharding
 from shardlib.config import Config
+from shardlib.planner.space import abstract_params
 from shardlib.reshard import spec_move_bytes
+from shardlib.train.state import param_specs
 
 ADAM_COPIES = 3  # params, mu and nu share each parameter's spec (ZeRO off)
 
 
 def _specs(config: Config, sizes: Mapping[str, int]) -> list[tuple[tuple[int, ...], object]]:
-    from shardlib.planner.space import _abstract_params
-    from shardlib.train.state import param_specs
-
     mesh_cfg = dataclasses.replace(config.mesh, auto=False)
     rules = sharding.make_rules(mesh_cfg, dict(sizes), config.rules)
-    abstract = _abstract_params(config.model)
+    abstract = abstract_params(config.model)
     specs = param_specs(abstract, rules, dict(sizes))
     shapes = [tuple(v.shape) for _, v in nnx.to_flat_state(abstract)]
     return list(zip(shapes, [v.get_value() for _, v in nnx.to_flat_state(specs)], strict=True))

@@ -4,7 +4,6 @@ and sharded initialisation that never builds the full model on one device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -14,61 +13,18 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardlib import sharding
-from shardlib.config import Config, OptimConfig
+from shardlib.config import CommConfig, Config, OptimConfig
 from shardlib.errors import ConfigError
 from shardlib.mesh import MESH_AXES, make_mesh, resolve_degrees
 from shardlib.models import GPT, check_model
 from shardlib.models.moe import check_moe
-from shardlib.parallel import comm as comm_lib
 from shardlib.parallel.context import check_context_parallel
-from shardlib.parallel.pipeline import check_pipeline
-from shardlib.precision import LossScale, Policy
+from shardlib.precision import LossScale
 from shardlib.precision import resolve as resolve_policy
-
-
-@jax.tree_util.register_dataclass
-@dataclass
-class TrainState:
-    """Everything a step reads and writes: a pytree, so jit/orbax handle it whole."""
-
-    step: jax.Array  # int32 scalar: optimizer steps taken
-    params: nnx.State
-    opt_state: optax.OptState
-    rng: jax.Array  # uint32[2] raw key, split every step
-    loss_scale: LossScale  # fp16 dynamic loss scaling (scale 1 for other policies)
-    comm: comm_lib.CommState | None = None  # error feedback / DiLoCo state (comm.* options)
-
-
-@dataclass(frozen=True)
-class ParamInfo:
-    """One row of the parameter sharding table."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    logical: tuple[str, ...]
-    spec: PartitionSpec
-    bytes_per_device: int
-
-
-@dataclass(frozen=True)
-class TrainSetup:
-    """The static half of training: mesh, rules, model structure, optimizer, shardings."""
-
-    config: Config
-    mesh: Mesh
-    rules: sharding.Rules
-    graphdef: nnx.GraphDef
-    abstract_params: nnx.State
-    tx: optax.GradientTransformation
-    state_shardings: TrainState
-    batch_sharding: NamedSharding
-    grad_shardings: nnx.State  # = param shardings, or split over `data` too under ZeRO-2
-    policy: Policy
-
-    @property
-    def sizes(self) -> dict[str, int]:
-        return dict(self.mesh.shape)
+from shardlib.train import comm as comm_lib
+from shardlib.train import diloco
+from shardlib.train.pipeline import check_pipeline
+from shardlib.train.setup import ParamInfo, TrainSetup, TrainState
 
 
 def _is_var(x: Any) -> bool:
@@ -186,7 +142,7 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None) -> Trai
         transform_non_params=lambda _: replicated, is_leaf=_is_var)
     scale_sh = LossScale(replicated, replicated, replicated)
     state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
-                          loss_scale=scale_sh, comm=comm_lib.state_shardings(
+                          loss_scale=scale_sh, comm=comm_state_shardings(
                               config.comm, mesh, abstract_params, param_sh, tx))
     return TrainSetup(config, mesh, rules, graphdef, abstract_params, tx, state_sh,
                       batch_sharding(config, mesh, rules),
@@ -207,17 +163,42 @@ def batch_sharding(config: Config, mesh: Mesh, rules: sharding.Rules) -> NamedSh
     return NamedSharding(mesh, spec)
 
 
+def start_state(setup: TrainSetup, params: nnx.State, state_key: jax.Array) -> TrainState:
+    """Step 0 around ``params``: a new optimizer state, loss scale and comm state."""
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=setup.tx.init(params), rng=jax.random.key_data(state_key),
+                      loss_scale=LossScale.initial(setup.config.precision),
+                      comm=init_comm_state(setup, params))
+
+
 def _init_fn(setup: TrainSetup, seed: int):
     def init() -> TrainState:
         model_key, state_key = jax.random.split(jax.random.key(seed))
         params = nnx.state(GPT(setup.config.model, rngs=nnx.Rngs(model_key)))
-        params = jax.tree.map(lambda p: p.astype(setup.policy.param), params)
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=setup.tx.init(params), rng=jax.random.key_data(state_key),
-                          loss_scale=LossScale.initial(setup.config.precision),
-                          comm=comm_lib.init_state(setup, params))
+        return start_state(setup, jax.tree.map(lambda p: p.astype(setup.policy.param), params),
+                           state_key)
 
     return init
+
+
+def comm_state_shardings(cfg: CommConfig, mesh: Mesh, abstract_params: nnx.State,
+                         param_sh: nnx.State, tx: Any) -> comm_lib.CommState | None:
+    """Shardings of ``TrainState.comm``; None (no state at all) when comm is off."""
+    if not comm_lib.enabled(cfg):
+        return None
+    if comm_lib.diloco_enabled(cfg):
+        return comm_lib.CommState(diloco=diloco.state_shardings(cfg, mesh, abstract_params,
+                                                                param_sh, tx))
+    return comm_lib.ef_state_shardings(cfg, mesh)
+
+
+def init_comm_state(setup: TrainSetup, params: nnx.State) -> comm_lib.CommState | None:
+    """Zero residuals, or every DiLoCo replica starting from ``params``."""
+    cfg = setup.config.comm
+    if comm_lib.diloco_enabled(cfg):
+        slow = setup.sizes[cfg.slow_axis]
+        return comm_lib.CommState(diloco=diloco.init_state(cfg, slow, setup.tx, params))
+    return comm_lib.init_ef_state(setup, params)
 
 
 def init_state(setup: TrainSetup, seed: int) -> TrainState:

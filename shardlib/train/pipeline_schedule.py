@@ -6,7 +6,7 @@ order (GPipe: all forwards then all backwards; 1F1B: warm-up forwards, then one 
 one backward, then the remaining backwards) as soon as their inputs have arrived: an
 activation sent by stage s-1 during tick t (or a cotangent from stage s+1) is usable from
 tick t+1. Buffer slots for received activations and cotangents are allocated here too,
-so ``shardlib.parallel.pipeline`` only indexes arrays. ``Schedule.timeline()`` prints
+so ``shardlib.train.pipeline`` only indexes arrays. ``Schedule.timeline()`` prints
 the table.
 """
 

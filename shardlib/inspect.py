@@ -24,14 +24,15 @@ from shardlib.analysis.flops import FlopsReport, flops_report
 from shardlib.analysis.hlo import Collective, comm_bytes_per_device, parse_collectives
 from shardlib.analysis.memory import MemoryReport, memory_report
 from shardlib.analysis.peak import PeakTerms, peak_terms
+from shardlib.analysis.tables import rules_line, sharding_table
 from shardlib.analysis.theory import Term, comm_bytes, comm_terms, state_bytes_per_device
 from shardlib.config import Config, to_dict
 from shardlib.mesh import describe
 from shardlib.models import count_params
 from shardlib.parallel import tensor
-from shardlib.reporting import format_bytes, rules_line, sharding_table
 from shardlib.train.state import TrainSetup, abstract_state, build_setup, param_table
 from shardlib.train.step import make_train_step
+from shardlib.units import format_bytes
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,7 @@ def _plan_devices(count: int):
 
 
 def run_plan(args: argparse.Namespace, config_from_args) -> int:
-    from shardlib.cli import DEFAULT_CPU_DEVICES
+    from shardlib.cli.defaults import DEFAULT_CPU_DEVICES
     from shardlib.planner.profiles import get_profile
     from shardlib.planner.report import render, to_json
     from shardlib.planner.resolve import profile_for

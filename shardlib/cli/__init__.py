@@ -12,10 +12,9 @@ import sys
 import warnings
 from collections.abc import Sequence
 
+from shardlib.cli.defaults import DEFAULT_CPU_DEVICES
 from shardlib.config import Config, TrainConfig, apply_overrides, parse_mesh
 from shardlib.errors import ShardlibError
-
-DEFAULT_CPU_DEVICES = 8
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -105,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "collectives, memory and FLOPs against theory")
     add_model_flags(inspect)
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
-    from shardlib.planner.cli import add_plan_parser
+    from shardlib.cli.plan import add_plan_parser
     add_plan_parser(sub, add_model_flags)
     export = sub.add_parser("export", help="write a checkpoint's parameters to one "
                             "safetensors file")
@@ -138,7 +137,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     from shardlib.sharding import parse_rule
 
     if getattr(args, "init_from", None):
-        from shardlib.models.hf import load_config
+        from shardlib.interop.hf import load_config
         model = load_config(args.init_from)
     else:
         model = get_preset(args.model)
@@ -190,7 +189,7 @@ def start_processes(args: argparse.Namespace) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     from shardlib.reporting import ConsoleReporter, MetricsFile, Reporters
-    from shardlib.train.loop import train
+    from shardlib.run.loop import train
 
     config = config_from_args(args)
     if config.model.max_seq_len < config.train.seq_len and config.model.pos_embedding == "learned":
@@ -237,7 +236,7 @@ def run_export(args: argparse.Namespace) -> int:
     from shardlib.export import export_safetensors
 
     if args.format == "hf":
-        from shardlib.models.hf import export_pretrained
+        from shardlib.interop.hf import export_pretrained
 
         step, saved = export_pretrained(args.checkpoint_dir, args.out, step=args.step)
         print(f"exported step {step} as Hugging Face: {saved.tensors} tensors, "
@@ -253,7 +252,7 @@ def run_export(args: argparse.Namespace) -> int:
 def run_inspect(args: argparse.Namespace) -> int:
     import json
 
-    from shardlib.analysis.report import analyze, render, to_json
+    from shardlib.inspect import analyze, render, to_json
 
     config = config_from_args(args)
     inspection = analyze(config, setup_devices(args.devices))
@@ -265,7 +264,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from shardlib.planner.cli import run_plan as plan
+    from shardlib.cli.plan import run_plan as plan
 
     return plan(args, config_from_args)
 

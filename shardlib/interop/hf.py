@@ -7,7 +7,7 @@ of one parameter at most) and placed with ``jax.make_array_from_callback`` strai
 its ``NamedSharding``, so every device receives only its own shard and no device ever
 holds the whole model. Saving writes config.json + model.safetensors that
 ``transformers`` loads, one parameter gathered to the host at a time. The layouts
-themselves are in ``models.hf_layout``.
+themselves are in ``interop.hf_layout``.
 """
 
 from __future__ import annotations
@@ -20,23 +20,25 @@ import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
 from shardlib import sharding
+from shardlib.checkpoint import Checkpointer
 from shardlib.config import MeshConfig, ModelConfig
 from shardlib.errors import CheckpointError, ConfigError
+from shardlib.export import good_step, read_array
+from shardlib.interop.hf_layout import Link, links, to_hf_config, to_model_config
 from shardlib.mesh import MESH_AXES, make_mesh
 from shardlib.models.gpt import GPT
-from shardlib.models.hf_layout import Link, links, to_hf_config, to_model_config
-
-if TYPE_CHECKING:
-    from shardlib.train.state import TrainSetup, TrainState
+from shardlib.train.setup import TrainSetup, TrainState
+from shardlib.train.state import named_tree, param_specs, path_str, start_state
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
@@ -165,8 +167,6 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig, abstract_params: nnx.
     is_var = lambda x: isinstance(x, nnx.Variable)
 
     def place(key: tuple, var: nnx.Variable, target: nnx.Variable) -> nnx.Variable:
-        from shardlib.train.state import path_str
-
         host = _host_param(files, owner, *_split_path(path_str(key), var)).astype(dtype)
         assert host.shape == tuple(var.shape), (path_str(key), host.shape, var.shape)
         array = jax.make_array_from_callback(host.shape, target.get_value(),
@@ -183,26 +183,17 @@ def check_matches(theirs: ModelConfig, ours: ModelConfig, path: str | os.PathLik
              for f in fields if getattr(theirs, f) != getattr(ours, f)]
     if diffs:
         raise ConfigError(f"{path}: config.json does not describe this model: {'; '.join(diffs)}"
-                          "; build the model config with shardlib.models.hf.load_config(path) "
+                          "; build the model config with shardlib.interop.hf.load_config(path) "
                           "(`shardlib train --init-from` does)")
 
 
 def pretrained_state(setup: TrainSetup, path: str | os.PathLike) -> TrainState:
     """A fresh TrainState (step 0, new AdamW state) whose parameters come from ``path``."""
-    from shardlib.parallel import comm
-    from shardlib.precision import LossScale
-    from shardlib.train.state import TrainState
-
     params = load_params(path, setup.config.model, setup.abstract_params,
                          setup.state_shardings.params, dtype=setup.policy.param)
     state_key = jax.random.split(jax.random.key(setup.config.train.seed))[1]
 
-    def init(params: nnx.State) -> TrainState:
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=setup.tx.init(params), rng=jax.random.key_data(state_key),
-                          loss_scale=LossScale.initial(setup.config.precision),
-                          comm=comm.init_state(setup, params))
-
+    init = lambda params: start_state(setup, params, state_key)  # noqa: E731
     return jax.jit(init, out_shardings=setup.state_shardings, donate_argnums=0)(params)
 
 
@@ -210,8 +201,6 @@ def from_pretrained(path: str | os.PathLike, *, mesh: Mesh | None = None,
                     rules: sharding.Rules | None = None, dtype: Any = jnp.float32) -> GPT:
     """A GPT with the weights of a save_pretrained directory, sharded over ``mesh`` (default:
     one device) by ``rules`` (default: the presets of the mesh's axes > 1)."""
-    from shardlib.train.state import named_tree, param_specs
-
     cfg = load_config(path)
     mesh = mesh or make_mesh(dict.fromkeys(MESH_AXES, 1), jax.devices()[:1])
     sizes = dict(mesh.shape)
@@ -234,8 +223,6 @@ class Saved:
 def save_pretrained(model: GPT, path: str | os.PathLike, *, dtype: str = "float32") -> Saved:
     """Write ``model`` as config.json + model.safetensors that transformers loads
     (GPT2LMHeadModel or LlamaForCausalLM), gathering one parameter at a time."""
-    from shardlib.train.state import path_str
-
     arrays = {path_str(p): v.get_value()
               for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     return write_pretrained(model.cfg, lambda name: np.asarray(jax.device_get(arrays[name])),
@@ -301,13 +288,8 @@ def export_pretrained(directory: str | os.PathLike, out: str | os.PathLike,
                       step: int | None = None, *, dtype: str = "float32") -> tuple[int, Saved]:
     """A training checkpoint (default: its newest good step) as a save_pretrained
     directory, read one parameter at a time on the host: no devices, no mesh."""
-    import orbax.checkpoint as ocp
-
-    from shardlib.checkpoint import Checkpointer
-    from shardlib.export import _good_step, _read_array
-
     checkpointer = Checkpointer(directory, read_only=True)
-    step = _good_step(checkpointer, step)
+    step = good_step(checkpointer, step)
     saved = checkpointer.saved_config(step).get("model", {})
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     cfg = ModelConfig(**{k: v for k, v in saved.items() if k in known})
@@ -315,5 +297,5 @@ def export_pretrained(directory: str | os.PathLike, out: str | os.PathLike,
             for path, (key, _) in checkpointer.saved_arrays(step).items()
             if path.startswith("params.")}
     reader = ocp.PyTreeCheckpointer()
-    get = lambda name: _read_array(reader, checkpointer, step, keys[name])
+    get = lambda name: read_array(reader, checkpointer, step, keys[name])
     return step, write_pretrained(cfg, get, keys, out, dtype=dtype)

@@ -13,7 +13,7 @@ outer_lr=1 and outer_momentum=0 this is plain data parallelism.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +23,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardlib.config import CommConfig
-from shardlib.parallel import comm
-
-if TYPE_CHECKING:
-    from shardlib.train.state import TrainSetup, TrainState
+from shardlib.train import comm
+from shardlib.train.setup import TrainSetup, TrainState
 
 
 @jax.tree_util.register_dataclass
@@ -135,8 +133,6 @@ def synced(setup: TrainSetup, params: nnx.State, params_s: nnx.State,
 def diloco_step(setup: TrainSetup, state: TrainState, batch: dict,
                 lr: jax.Array) -> tuple[TrainState, dict]:
     """One inner step on every replica; an outer sync when ``interval`` steps have passed."""
-    from shardlib.train.state import TrainState
-
     d = state.comm.diloco
     metrics, grads_s = replica_grads(setup, d.params_s, batch)
     updates_s, opt_state_s = jax.vmap(setup.tx.update)(grads_s, d.opt_state_s, d.params_s)

@@ -21,9 +21,13 @@ from shardlib import data as data_lib
 from shardlib import observe
 from shardlib.checkpoint import Checkpointer, open_for_training
 from shardlib.config import Config
+from shardlib.distributed import any_process
+from shardlib.interop.hf import pretrained_state
 from shardlib.models import count_params
-from shardlib.parallel import comm
+from shardlib.planner import resolve_auto
 from shardlib.reporting import NullReporter, Reporter
+from shardlib.train import comm
+from shardlib.train.comm_policy import Adaptive
 from shardlib.train.generate import generate
 from shardlib.train.state import TrainSetup, TrainState, build_setup, init_state
 from shardlib.train.step import make_eval_step, make_train_step
@@ -71,8 +75,6 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
     reporter = observe.attach(reporter or NullReporter(), config.train)
     checkpointer = open_for_training(config.checkpoint)  # a bad directory fails first
     if config.mesh.auto:  # `--mesh auto`: the planner picks mesh, remat and microbatches
-        from shardlib.planner import resolve_auto
-
         config = resolve_auto(config, devices)
     setup = build_setup(config, devices)
     result = TrainResult(state, setup)
@@ -80,7 +82,6 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
         state = checkpointer.restore_latest(setup)
         result.resumed_from = None if state is None else int(state.step)
     if state is None and config.train.init_from:  # fine-tune HF weights (resume wins)
-        from shardlib.models.hf import pretrained_state
         state = pretrained_state(setup, config.train.init_from)
     state = state if state is not None else init_state(setup, config.train.seed)
     reporter.on_start(setup, {"params": count_params(config.model)})
@@ -178,11 +179,9 @@ def _serial_steps(setup: TrainSetup) -> bool:
 
 
 def _adaptive(setup: TrainSetup, state: TrainState, batch: Any, step_fn: Any) -> Any:
-    """The ``comm.policy`` runner (``parallel.comm_policy``), or None when it is off."""
+    """The ``comm.policy`` runner (``train.comm_policy``), or None when it is off."""
     if not setup.config.comm.policy:
         return None
-    from shardlib.parallel.comm_policy import Adaptive
-
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                           (state, batch))
     return Adaptive(setup, lambda s: make_train_step(s).lower(*shapes).compile(), step_fn)
@@ -253,8 +252,6 @@ class StopSignals:
             return self.signal is not None
         if (step - 1) % every:
             return False
-        from shardlib.distributed import any_process
-
         if any_process(self.signal is not None) and self.signal is None:
             self.signal = "SIGTERM"  # another process got it: stop and save together
         return self.signal is not None

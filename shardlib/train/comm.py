@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -32,13 +32,12 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardlib import hooks
+from shardlib import hooks, precision
 from shardlib.config import CommConfig
 from shardlib.errors import ConfigError
 from shardlib.parallel.fsdp import gather_dim, gather_params, restrict_spec, weight_gatherer
-
-if TYPE_CHECKING:
-    from shardlib.train.state import TrainSetup
+from shardlib.train.objective import model_loss
+from shardlib.train.setup import TrainSetup
 
 GRAD_DTYPES: tuple[str, ...] = ("none", "bf16", "fp8_e4m3", "fp8_e5m2")
 """Slow-link gradient dtypes, least to most compressed ("none" = fp32)."""
@@ -208,7 +207,7 @@ class CommState:
     """Communication state carried in ``TrainState.comm`` (so checkpoints keep it)."""
 
     ef: ErrorFeedback | None = None
-    diloco: Any = None  # shardlib.parallel.diloco.DilocoState under DiLoCo
+    diloco: Any = None  # shardlib.train.diloco.DilocoState under DiLoCo
 
 
 def _local_size(shape: tuple[int, ...], spec: PartitionSpec, fast: int, hier: bool) -> int:
@@ -236,29 +235,17 @@ def ef_shapes(cfg: CommConfig, abstract_params: nnx.State, specs: nnx.State,
                          jax.ShapeDtypeStruct((s, f, padded // s), jnp.float32))
 
 
-def state_shardings(cfg: CommConfig, mesh: Mesh, abstract_params: nnx.State,
-                    param_sh: nnx.State, tx: Any) -> CommState | None:
-    """Shardings of ``TrainState.comm``; None (no state at all) when comm is off."""
-    if not enabled(cfg):
-        return None
-    if diloco_enabled(cfg):
-        from shardlib.parallel import diloco
-
-        return CommState(diloco=diloco.state_shardings(cfg, mesh, abstract_params,
-                                                       param_sh, tx))
+def ef_state_shardings(cfg: CommConfig, mesh: Mesh) -> CommState:
+    """Shardings of the error-feedback ``CommState`` (compressed / two-level reduction)."""
     row = NamedSharding(mesh, PartitionSpec(cfg.slow_axis, cfg.fast_axis, None))
     return CommState(ef=ErrorFeedback(row, row) if has_error_feedback(cfg) else None)
 
 
-def init_state(setup: TrainSetup, params: nnx.State) -> CommState | None:
-    """Zero residuals, or every DiLoCo replica starting from ``params``."""
+def init_ef_state(setup: TrainSetup, params: nnx.State) -> CommState | None:
+    """Zero error-feedback residuals (None when comm is off)."""
     cfg, sizes = setup.config.comm, setup.sizes
     if not enabled(cfg):
         return None
-    if diloco_enabled(cfg):
-        from shardlib.parallel import diloco
-
-        return CommState(diloco=diloco.init_state(cfg, sizes[cfg.slow_axis], setup.tx, params))
     if not has_error_feedback(cfg):
         return CommState()
     shapes = ef_shapes(cfg, setup.abstract_params, param_specs(setup), sizes)
@@ -303,9 +290,6 @@ def local_grads(setup: TrainSetup, full: nnx.State, batch: dict, scale: jax.Arra
     microbatches by ``lax.scan``), against the parameters given: whole ones (no
     collectives), or fsdp shards under an active ``hooks.gathering_weights``, which also
     casts them (``cast=False``)."""
-    from shardlib import precision
-    from shardlib.train.step import model_loss
-
     rules, count = local_rules(setup), setup.config.train.grad_accum
     to_compute = (lambda p: precision.cast_params(p, setup.policy)) if cast else (lambda p: p)
 
@@ -407,7 +391,6 @@ def fast_reduced_grads(setup: TrainSetup, p_shard: nnx.State, batch: dict, scale
         full = gather_params(p_shard, specs)  # (check_vma off: replicas differ from here)
         loss, metrics, grads = local_grads(setup, full, batch, scale)
         return loss, metrics, reduce_fast(grads, specs, cfg.fast_axis, False)
-    from shardlib import precision
 
     cast = lambda x: precision.cast_params(x, setup.policy)  # noqa: E731
     gather = weight_gatherer(setup.rules, setup.sizes, cast)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +38,10 @@ from shardlib.config import Config
 from shardlib.errors import ConfigError
 from shardlib.models.gpt import gather_outside_layers
 from shardlib.models.layers import scan_layers
-from shardlib.parallel import comm, fsdp
-from shardlib.parallel.pipeline_schedule import FWD, IDLE, SCHEDULES, Schedule, build
-
-if TYPE_CHECKING:
-    from shardlib.train.state import TrainSetup
+from shardlib.parallel import fsdp
+from shardlib.train import comm
+from shardlib.train.pipeline_schedule import FWD, IDLE, SCHEDULES, Schedule, build
+from shardlib.train.setup import TrainSetup
 
 AXIS = "pipeline"
 BATCH_AXES = ("data", "fsdp")

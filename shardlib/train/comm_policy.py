@@ -16,17 +16,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from shardlib.config import CommConfig
-from shardlib.parallel import comm
-
-if TYPE_CHECKING:
-    from shardlib.train.state import TrainSetup, TrainState
+from shardlib.train import comm
+from shardlib.train.setup import TrainSetup, TrainState
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,77 @@
+"""The training objective on any mesh: the model's loss, with the layer-level strategy
+(explicit FSDP gathers, Megatron TP/SP, context parallelism) picked from the setup.
+
+The step-level strategies (``train.comm``, ``train.diloco``, ``train.pipeline``) and the
+step itself all differentiate this.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardlib import precision
+from shardlib.models.gpt import gather_outside_layers
+from shardlib.models.moe import moe_objective
+from shardlib.parallel import context, fsdp, tensor
+from shardlib.sharding import Rules, activation_rules
+from shardlib.train.setup import TrainSetup
+
+Batch = dict[str, jax.Array]  # {"inputs": (B, T) int32, "targets": (B, T) int32}
+Metrics = dict[str, jax.Array]
+
+
+def model_loss(setup: TrainSetup, rules: Rules, params: nnx.State,
+               batch: Batch) -> tuple[jax.Array, Metrics]:
+    """The objective: mean next-token cross-entropy over the batch plus, for an MoE model,
+    the weighted router losses; and its parts (``loss`` is the cross-entropy alone).
+    Activations are pinned by ``rules``. Every part is a mean over rows."""
+    cp_method = setup.config.attention.context_parallel
+    model = nnx.merge(setup.graphdef, gather_outside_layers(params))  # FSDP: see hooks
+    with activation_rules(setup.mesh, rules), context.context_parallel(cp_method):
+        logits_btv, moe_stats = model.forward(batch["inputs"])
+    logits_btv = logits_btv.astype(setup.policy.output)
+    losses_bt = tensor.cross_entropy(logits_btv, batch["targets"])  # vocab-parallel if TP
+    penalty, moe_metrics = moe_objective(setup.config.model, moe_stats)
+    loss = jnp.mean(losses_bt)
+    return loss + penalty.astype(loss.dtype), {"loss": loss, **moe_metrics}
+
+
+def loss_fn(setup: TrainSetup, params: nnx.State, batch: Batch) -> jax.Array:
+    """The training objective (``loss_and_metrics`` without the metrics)."""
+    return loss_and_metrics(setup, params, batch)[0]
+
+
+def loss_and_metrics(setup: TrainSetup, params: nnx.State,
+                     batch: Batch) -> tuple[jax.Array, Metrics]:
+    """The training objective and its parts, parameters cast to the compute dtype. With
+    ``tensor`` > 1 (dense model, data/fsdp/tensor mesh) Megatron TP/SP and the fsdp
+    gathers are explicit (``parallel.tensor``); with ``fsdp`` > 1 and only batch axes the
+    gathers are (``parallel.fsdp``): either way the gradient is a real reduce-scatter on
+    every backend."""
+    cast = partial(precision.cast_params, policy=setup.policy)  # before gathers: fewer bytes
+    reshard = setup.config.mesh.reshard_after_forward
+    if explicit_tensor_applies(setup):
+        specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
+        return tensor.tensor_loss(
+            partial(model_loss, setup, {}), params, batch, mesh=setup.mesh, param_specs=specs,
+            batch_spec=setup.batch_sharding.spec, cast=cast, rules=setup.rules,
+            reshard_after_forward=reshard,
+            sequence_parallel=setup.config.mesh.sequence_parallel)
+    if not fsdp.explicit_fsdp_applies(setup.sizes):
+        return model_loss(setup, setup.rules, cast(params), batch)
+    manual = fsdp.manual_axes(setup.sizes)
+    local_rules = {dim: tuple(a for a in axes if a not in manual)
+                   for dim, axes in setup.rules.items()}
+    specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
+    return fsdp.fsdp_loss(partial(model_loss, setup, local_rules), params, batch,
+                          mesh=setup.mesh, param_specs=specs, rules=setup.rules,
+                          reshard_after_forward=reshard, cast=cast)
+
+
+def explicit_tensor_applies(setup: TrainSetup) -> bool:
+    """Whether ``loss_and_metrics`` runs Megatron TP/SP by hand (``parallel.tensor``)."""
+    return tensor.applies_to(setup.config, setup.sizes, setup.rules)

@@ -1,0 +1,65 @@
+"""What training holds: the state a step reads and writes, and the static setup it runs in.
+
+Plain definitions with no strategy behind them, so that the step-level strategies
+(``train.comm``, ``train.diloco``, ``train.pipeline``) and the step itself can all depend
+on them; ``train.state`` builds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardlib import sharding
+from shardlib.config import Config
+from shardlib.precision import LossScale, Policy
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class TrainState:
+    """Everything a step reads and writes: a pytree, so jit/orbax handle it whole."""
+
+    step: jax.Array  # int32 scalar: optimizer steps taken
+    params: nnx.State
+    opt_state: optax.OptState
+    rng: jax.Array  # uint32[2] raw key, split every step
+    loss_scale: LossScale  # fp16 dynamic loss scaling (scale 1 for other policies)
+    comm: Any = None  # train.comm.CommState or None: error feedback / DiLoCo (comm.*)
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One row of the parameter sharding table."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    logical: tuple[str, ...]
+    spec: PartitionSpec
+    bytes_per_device: int
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """The static half of training: mesh, rules, model structure, optimizer, shardings."""
+
+    config: Config
+    mesh: Mesh
+    rules: sharding.Rules
+    graphdef: nnx.GraphDef
+    abstract_params: nnx.State
+    tx: optax.GradientTransformation
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    grad_shardings: nnx.State  # = param shardings, or split over `data` too under ZeRO-2
+    policy: Policy
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.mesh.shape)
