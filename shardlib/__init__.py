@@ -1,7 +1,7 @@
 """shardlib: sharded training of neural networks in JAX.
 
-A mesh config (``data``, ``fsdp``, ``sequence``, ``tensor`` degrees) plus logical sharding
-rules choose the strategy; ``jax.jit`` with explicit shardings lets XLA insert the
+A mesh config (``data``, ``pipeline``, ``fsdp``, ``expert``, ``sequence``, ``tensor``
+degrees) plus logical sharding rules choose the strategy; ``jax.jit`` with explicit shardings lets XLA insert the
 collectives.
 """
 

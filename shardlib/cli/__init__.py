@@ -2,6 +2,8 @@
 
 Devices are set up from the flags before JAX starts, so ``--devices N`` can simulate N
 CPU devices. Bad flags or configs exit non-zero with one clear message, no traceback.
+Each subcommand imports what it runs inside its function, after the devices are set up
+(the only function-local imports tests/test_layers.py allows).
 """
 
 from __future__ import annotations
