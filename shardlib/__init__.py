@@ -1,8 +1,8 @@
 """shardlib: sharded training of neural networks in JAX.
 
 A mesh config (``data``, ``pipeline``, ``fsdp``, ``expert``, ``sequence``, ``tensor``
-degrees) plus logical sharding rules choose the strategy; ``jax.jit`` with explicit shardings lets XLA insert the
-collectives.
+degrees) plus logical sharding rules choose the strategy; ``jax.jit`` with explicit
+shardings lets XLA insert the collectives.
 """
 
 from shardlib.analysis.mfu import peak_flops

@@ -32,6 +32,7 @@ _SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bf
 
 @dataclass(frozen=True)
 class ExportResult:
+    """What ``export_safetensors`` wrote: the file, the step and its size."""
     path: Path
     step: int
     tensors: int

@@ -123,6 +123,7 @@ def collective_dict(c: Collective) -> dict[str, Any]:
 
 
 def term_dict(term: Term) -> dict[str, Any]:
+    """One theory term as JSON (``theory`` in ``shardlib inspect --json``)."""
     return {"name": term.name, "axes": list(term.axes), "kind": term.kind,
             "bytes_per_device": term.bytes_per_device, "formula": term.formula}
 
@@ -153,6 +154,7 @@ def _plain(value: Any) -> Any:
 
 
 def param_rows(setup: TrainSetup) -> list[dict[str, Any]]:
+    """The parameter sharding table as JSON rows (``params`` in ``--json``)."""
     return [{"path": r.path, "shape": list(r.shape), "dtype": r.dtype, "logical": list(r.logical),
              "spec": [e if e is None or isinstance(e, str) else list(e) for e in r.spec],
              "bytes_per_device": r.bytes_per_device} for r in param_table(setup)]
@@ -214,6 +216,7 @@ def collectives_table(ins: Inspection) -> Table:
 
 
 def theory_table(ins: Inspection) -> Table:
+    """The theory terms (bytes per device per step, with formulas) as a table."""
     table = Table(title="Theory (per device per step)", title_justify="left")
     for col in ("axes", "kind", "term", "formula", "bytes"):
         table.add_column(col, justify="right" if col == "bytes" else "left")
@@ -223,6 +226,7 @@ def theory_table(ins: Inspection) -> Table:
 
 
 def memory_table(ins: Inspection) -> Table:
+    """Compiled memory per device next to the state and peak formulas."""
     m = ins.memory
     table = Table(title="Memory per device", title_justify="left", show_header=False)
     opt = lambda v: "n/a" if v is None else format_bytes(v)
@@ -246,6 +250,7 @@ def memory_table(ins: Inspection) -> Table:
 
 
 def flops_lines(ins: Inspection) -> list[str]:
+    """XLA's FLOPs per device next to the model's 6 Psi + 12 L T d count."""
     f = ins.flops
     xla = "n/a" if f.xla_flops_per_device is None else f"{f.xla_flops_per_device:,.0f}"
     lines = [f"FLOPs per device per step: XLA {xla}, model 6 Psi + 12 L T d "

@@ -30,6 +30,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class Policy:
+    """The dtypes of a precision setting (stored params, matmuls, logits and loss,
+    gradients) and whether fp16 loss scaling runs."""
     param: jnp.dtype
     compute: jnp.dtype
     output: jnp.dtype

@@ -53,6 +53,7 @@ class ReshardCost:
     bytes_per_device: int
 
     def by_kind(self) -> dict[str, int]:
+        """Bytes per device summed by kind of move and axes, e.g. ``all-gather over fsdp``."""
         out: dict[str, int] = defaultdict(int)
         for move in self.moves:
             if move.kind != "none":

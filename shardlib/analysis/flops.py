@@ -58,6 +58,7 @@ def model_flops_per_token(config: Config) -> int:
 
 
 def flops_report(config: Config, compiled: jax.stages.Compiled, num_devices: int) -> FlopsReport:
+    """XLA's counted FLOPs of ``compiled`` next to the model's analytic count."""
     per_token = model_flops_per_token(config)
     per_step = per_token * config.train.batch_size * config.train.seq_len
     return FlopsReport(xla_flops(compiled), per_token, per_step, per_step / num_devices,

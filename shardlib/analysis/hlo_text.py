@@ -107,6 +107,7 @@ def _parse_instr(line: str) -> Instr | None:
 
 
 def parse_module(text: str) -> HloModule:
+    """An HLO module's text as computations of instructions, with its entry named."""
     comps: dict[str, list[Instr]] = {}
     entry, current = "", None
     for line in re.sub(r"/\*.*?\*/", "", text).splitlines():  # drop /*index=5*/ comments

@@ -70,6 +70,7 @@ def shard_bytes(x: jax.ShapeDtypeStruct | jax.Array) -> int:
 
 
 def tree_shard_bytes(tree: Any) -> int:
+    """Bytes one device holds of every array in ``tree``."""
     return sum(shard_bytes(leaf) for leaf in jax.tree.leaves(tree))
 
 

@@ -93,6 +93,7 @@ def working_bytes_per_token(config: Config, sizes: Mapping[str, int], remat: str
 
 
 def probs_bytes_per_token(config: Config, sizes: Mapping[str, int]) -> float:
+    """fp32 attention probabilities per local token: every head's row over the keys."""
     return config.model.num_heads / sizes.get("tensor", 1) * config.train.seq_len * 4
 
 

@@ -321,6 +321,7 @@ def comm_bytes_by_axis(terms: Iterable[Term]) -> dict[tuple[str, ...], int]:
 
 
 def comm_bytes(terms: Iterable[Term]) -> int:
+    """Total bytes per device per step of ``terms``."""
     return sum(term.bytes_per_device for term in terms)
 
 

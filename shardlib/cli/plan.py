@@ -35,6 +35,7 @@ def parse_pinned(text: str) -> dict[str, int]:
 
 
 def add_plan_parser(sub: argparse._SubParsersAction, add_model_flags) -> None:
+    """Add the ``plan`` subcommand and its flags to ``sub``."""
     plan = sub.add_parser("plan", help="search meshes x remat x microbatches for a model, a "
                           "device count and a memory budget; rank them by predicted step time")
     add_model_flags(plan)
@@ -71,6 +72,7 @@ def _plan_devices(count: int):
 
 
 def run_plan(args: argparse.Namespace, config_from_args) -> int:
+    """``shardlib plan``: search, rank and print (or ``--json``) the candidates."""
     from shardlib.cli.defaults import DEFAULT_CPU_DEVICES
     from shardlib.planner.profiles import get_profile
     from shardlib.planner.report import render, to_json

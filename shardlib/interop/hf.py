@@ -214,6 +214,7 @@ def from_pretrained(path: str | os.PathLike, *, mesh: Mesh | None = None,
 
 @dataclass(frozen=True)
 class Saved:
+    """What ``save_pretrained`` wrote: the directory, tensor and parameter counts, bytes."""
     path: Path
     tensors: int
     params: int

@@ -168,6 +168,7 @@ def moe_objective(cfg: ModelConfig, stats: MoEStats) -> tuple[jax.Array, dict[st
 
 
 def num_moe_layers(cfg: ModelConfig) -> int:
+    """How many layers are MoE layers (every ``moe_every``-th; 0 for a dense model)."""
     return cfg.num_layers // cfg.moe_every if cfg.num_experts else 0
 
 

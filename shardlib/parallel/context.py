@@ -57,6 +57,7 @@ def context_parallel(method: str) -> Iterator[None]:
 
 
 def check_method(method: str) -> None:
+    """Raise ``ConfigError`` unless ``method`` is a known context-parallel method."""
     if method not in METHODS:
         raise ConfigError(
             f"attention.context_parallel={method!r}: use one of {', '.join(METHODS)}"
@@ -132,6 +133,7 @@ def merge(a: Stats, b: Stats) -> Stats:
 
 
 def finish(stats: Stats, dtype: jnp.dtype) -> jax.Array:
+    """Attention output from merged online-softmax stats: o / l, in ``dtype``."""
     o_bthk, _, l_bht = stats
     return (o_bthk / jnp.transpose(l_bht, (0, 2, 1))[..., None]).astype(dtype)
 
@@ -143,6 +145,7 @@ def rows(stats: Stats, start: int, stop: int) -> Stats:
 
 
 def cat_rows(a: Stats, b: Stats) -> Stats:
+    """Stats of two query-row blocks side by side (along the sequence)."""
     return tuple(jnp.concatenate([x, y], axis=ax) for x, y, ax in zip(a, b, (1, 2, 2), strict=True))
 
 

@@ -83,6 +83,7 @@ class Figures:
         return sum(c.bytes for c in self.comm.values())
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON form (the compile cache and ``--json``)."""
         out = asdict(self)
         out["comm"] = {k: asdict(v) for k, v in self.comm.items()}
         return out
@@ -111,6 +112,7 @@ class Estimate:
 
 
 def axis_key(axes: Iterable[str]) -> str:
+    """Mesh axes as one label, ``fsdp+data``; ``-`` for none."""
     return "+".join(axes) or "-"
 
 

@@ -25,6 +25,7 @@ def train_command(plan: Plan, scored: Scored) -> str:
 
 
 def scored_dict(s: Scored) -> dict[str, Any]:
+    """One ranked candidate as JSON (``shardlib plan --json``)."""
     c = s.candidate
     return {
         "mesh": c.sizes, "mesh_text": c.mesh_text, "remat": c.remat,
@@ -41,6 +42,7 @@ def scored_dict(s: Scored) -> dict[str, Any]:
 
 
 def rejected_dict(r: Rejected) -> dict[str, Any]:
+    """One rejected candidate and its reason as JSON."""
     c = r.candidate
     return {"mesh": c.sizes, "mesh_text": c.mesh_text, "remat": c.remat,
             "microbatches": c.microbatches, "reason": r.reason}
@@ -75,6 +77,7 @@ def _comm_cell(s: Scored) -> str:
 
 
 def candidate_table(plan: Plan, top: int) -> Table:
+    """The ``top`` ranked candidates: mesh, memory, comm by axis, predicted step."""
     table = Table(title=f"Best {min(top, len(plan.ranked))} of {len(plan.ranked)} candidates "
                   f"that fit {format_bytes(plan.budget_bytes)} per device",
                   title_justify="left")

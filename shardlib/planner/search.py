@@ -107,6 +107,7 @@ def verdict(memory_bytes: int, budget: int, exact: bool, margin: float = MEMORY_
 
 
 class Dtypes(NamedTuple):
+    """Byte widths the cost model needs from a precision policy on a backend."""
     compute: str  # matmul dtype name, for the profile's peak
     compute_bytes: int
     gather_bytes: int  # FSDP weight traffic: compute dtype, but fp32 on XLA CPU

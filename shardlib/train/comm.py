@@ -51,6 +51,7 @@ _WIRE: dict[str, tuple[Any, Any]] = {  # grad_dtype -> (value dtype, same-width 
 
 # ----------------------------------------------------------------------------- config
 def diloco_enabled(cfg: CommConfig) -> bool:
+    """Whether ``comm.*`` asks for DiLoCo (infrequent outer synchronisation)."""
     return cfg.diloco or cfg.sync_interval > 1
 
 
@@ -61,6 +62,7 @@ def enabled(cfg: CommConfig) -> bool:
 
 
 def hierarchical(cfg: CommConfig) -> bool:
+    """Whether the gradient reduction is two-level (fast axis first, then slow)."""
     return cfg.reduction != "flat"
 
 
@@ -229,6 +231,7 @@ def vector_length(cfg: CommConfig, abstract_params: nnx.State, specs: nnx.State,
 
 def ef_shapes(cfg: CommConfig, abstract_params: nnx.State, specs: nnx.State,
               sizes: dict[str, int]) -> ErrorFeedback:
+    """Shapes of the error-feedback residuals (per slow x fast device, padded)."""
     _, padded = vector_length(cfg, abstract_params, specs, sizes)
     s, f = sizes[cfg.slow_axis], sizes[cfg.fast_axis]
     return ErrorFeedback(jax.ShapeDtypeStruct((s, f, padded), jnp.float32),
@@ -271,15 +274,18 @@ def slow_bytes_per_step(setup: TrainSetup, grad_dtype: str | None = None,
 
 # ----------------------------------------------------------------------------- the step
 def param_specs(setup: TrainSetup) -> nnx.State:
+    """The PartitionSpec of every parameter of ``setup``."""
     return jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
 
 
 def manual_specs(setup: TrainSetup) -> nnx.State:
+    """Parameter specs restricted to the slow and fast axes (the shard_map's manual axes)."""
     axes = (setup.config.comm.slow_axis, setup.config.comm.fast_axis)
     return jax.tree.map(lambda s: restrict_spec(s, lambda a: a in axes), param_specs(setup))
 
 
 def local_rules(setup: TrainSetup) -> dict[str, tuple[str, ...]]:
+    """Logical rules without the slow and fast axes: how activations split inside the map."""
     axes = (setup.config.comm.slow_axis, setup.config.comm.fast_axis)
     return {dim: tuple(a for a in names if a not in axes) for dim, names in setup.rules.items()}
 

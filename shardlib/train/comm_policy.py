@@ -48,6 +48,8 @@ class Bounds:
 
     @staticmethod
     def from_config(cfg: CommConfig) -> Bounds:
+        """The policy's limits from ``comm.policy_*``: dtype ladder, longest sync interval,
+        thresholds."""
         top = min(comm.GRAD_DTYPES.index(cfg.policy_max_dtype), 2)
         ladder = ("none", "bf16", cfg.policy_max_dtype)[:top + 1]
         return Bounds(ladder, max(cfg.policy_max_sync, 1), cfg.comm_high,
@@ -56,6 +58,7 @@ class Bounds:
 
 @dataclass(frozen=True)
 class Decision:
+    """One policy decision: the new setting, why, and the measurements behind it."""
     setting: Setting
     reason: str
     comm_fraction: float

@@ -84,6 +84,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, mask: Any) -> optax.Gradi
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     # Short runs: warm up over at most a tenth of the steps, so the peak lr is reached.
+    """Linear warm-up (at most a tenth of the run) then cosine decay to ``lr * min_lr_ratio``."""
     warmup = min(cfg.warmup_steps, total_steps // 10)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
@@ -112,6 +113,7 @@ def zero_rules(rules: sharding.Rules) -> sharding.Rules:
 
 
 def named_tree(specs: nnx.State, mesh: Mesh) -> nnx.State:
+    """A tree of PartitionSpecs as NamedShardings on ``mesh``."""
     return jax.tree.map(lambda v: v.replace(value=NamedSharding(mesh, v.get_value())), specs,
                         is_leaf=_is_var)
 
