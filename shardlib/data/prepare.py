@@ -137,7 +137,7 @@ def make_units(files: Sequence[Path], unit_bytes: int = UNIT_BYTES) -> list[Unit
 
 
 def _decode(raw: bytes) -> tuple[str, int]:
-    """Text and the number of invalid UTF-8 sequences replaced."""
+    """Text and the number of invalid UTF-8 bytes replaced."""
     try:
         return raw.decode("utf-8"), 0
     except UnicodeDecodeError:
@@ -346,4 +346,4 @@ def describe(result: Prepared) -> str:
     return (f"{head}; train {train['num_tokens']:,} tokens in {train['num_docs']:,} docs, "
             f"val {val['num_tokens']:,} tokens; tokenizer {m['tokenizer']['name']} "
             f"(vocab {m['tokenizer']['vocab_size']}), {m['dtype']}, "
-            f"{m['replaced_utf8']} invalid UTF-8 sequences replaced")
+            f"{m['replaced_utf8']} invalid UTF-8 bytes replaced")
