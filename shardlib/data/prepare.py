@@ -39,7 +39,6 @@ except ImportError:  # pragma: no cover
     pq = None
 
 UNIT_BYTES = 8 * 2**20  # text per work unit: big enough to amortise, small enough to balance
-ENCODE_BATCH = 512  # documents per tokenizer call
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
@@ -169,33 +168,31 @@ def in_val(unit: int, doc: int, fraction: float) -> bool:
     return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
-def _write_split(out: Path, name: str, docs: list[list[int]], dtype: str) -> dict[str, Any]:
-    lengths = np.array([len(d) for d in docs], dtype=np.uint64)
-    tokens = np.fromiter((t for d in docs for t in d), dtype=dtype, count=int(lengths.sum()))
+def _write_split(out: Path, name: str, docs: list[np.ndarray], dtype: str) -> dict[str, Any]:
+    tokens = np.concatenate(docs).astype(dtype, copy=False)
     tokens.tofile(out / f"{name}.bin")
-    np.cumsum(lengths).astype(np.uint64).tofile(out / f"{name}.docs")
+    np.cumsum([len(d) for d in docs], dtype=np.uint64).tofile(out / f"{name}.docs")
     return {"tokens": f"{name}.bin", "docs": f"{name}.docs", "num_tokens": int(tokens.size),
             "num_docs": len(docs), "checksum": hashlib.sha256(tokens.tobytes()).hexdigest()[:16]}
 
 
 def tokenize_unit(unit: Unit, opts: Options) -> dict[str, Any]:
-    """Tokenize one unit and write its train/val shards; returns their entries."""
+    """Tokenize one unit (one document at a time: a worker uses one core) and write its
+    train/val shards; returns their manifest entries."""
     tokenizer = _worker_tokenizer(opts.tokenizer)
     texts, replaced = unit_texts(unit, opts.text_field)
-    ends_doc = unit.kind != "txt" or unit.ends_file
-    split = {"train": ([], 0), "val": ([], 0)}
-    for first in range(0, len(texts), ENCODE_BATCH):
-        chunk = texts[first:first + ENCODE_BATCH]
-        for i, (text, ids) in enumerate(zip(chunk, tokenizer.encode_batch(chunk), strict=True)):
-            name = "val" if in_val(unit.index, first + i, opts.val_fraction) else "train"
-            docs, nbytes = split[name]
-            docs.append(ids + [tokenizer.eod_id] if ends_doc else ids)
-            split[name] = (docs, nbytes + len(text.encode("utf-8")))
-    out = {"replaced": replaced, "bytes": unit.stop - unit.start if unit.kind != "parquet" else 0}
-    for name, (docs, nbytes) in split.items():
-        if docs:
-            entry = _write_split(Path(opts.out), f"{name}-{unit.index:05d}", docs, opts.dtype)
-            out[name] = {**entry, "num_bytes": nbytes, "ends_doc": ends_doc}
+    eod = np.array([tokenizer.eod_id] if unit.kind != "txt" or unit.ends_file else [], opts.dtype)
+    docs: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+    nbytes = {"train": 0, "val": 0}
+    for i, text in enumerate(texts):
+        name = "val" if in_val(unit.index, i, opts.val_fraction) else "train"
+        docs[name].append(np.concatenate([np.asarray(tokenizer.encode(text), opts.dtype), eod]))
+        nbytes[name] += len(text.encode("utf-8"))
+    out = {"replaced": replaced}
+    for name in SPLITS:
+        if docs[name]:
+            entry = _write_split(Path(opts.out), f"{name}-{unit.index:05d}", docs[name], opts.dtype)
+            out[name] = {**entry, "num_bytes": nbytes[name], "ends_doc": eod.size > 0}
     return out
 
 

@@ -31,11 +31,8 @@ class ByteTokenizer:
     eod_id = BYTES_EOD
     fingerprint = "bytes"
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         kept = [int(i) for i in np.asarray(ids).ravel() if 0 < int(i) < 256]
@@ -62,9 +59,6 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         kept = [int(i) for i in np.asarray(ids).ravel() if 0 <= int(i) < self.vocab_size]
