@@ -38,7 +38,7 @@ try:  # Parquet input is optional: pip install pyarrow
 except ImportError:  # pragma: no cover
     pq = None
 
-UNIT_BYTES = 8 * 2**20  # text per work unit: big enough to amortise, small enough to balance
+UNIT_BYTES = 2**20  # text per work unit: big enough to amortise, small enough to balance
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
@@ -218,7 +218,10 @@ def _run_units(units: list[Unit], opts: Options, workers: int,
             results.append(tokenize_unit(unit, opts))
             progress(unit)
         return results
-    context = multiprocessing.get_context("spawn")  # no fork of a process with threads
+    # fork starts a worker in milliseconds (spawn re-imports shardlib: seconds each); the
+    # workers only run the tokenizer and numpy, never JAX
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    context = multiprocessing.get_context(method)
     with ProcessPoolExecutor(workers, mp_context=context, initializer=_quiet_worker) as pool:
         futures = [pool.submit(tokenize_unit, u, opts) for u in units]
         results = []
