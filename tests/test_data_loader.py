@@ -145,8 +145,24 @@ def test_builtin_corpora_keep_their_batches():
     next(loader)
     np.testing.assert_array_equal(host(next(loader))["targets"], rows[:, 1:])
     loader.close()
-    with pytest.raises(ConfigError, match="is read as bytes; tokenize it first"):
+    with pytest.raises(ConfigError, match="x/tokenizer.json: no such tokenizer.json"):
         open_source(config_for("synthetic", MeshConfig(data=8), tokenizer="x/tokenizer.json"))
+
+
+def test_a_text_file_through_a_tokenizer(dataset, tmp_path):
+    """--init-from a model with its own tokenizer (or data.tokenizer) on a plain text file:
+    tokenized in memory, eval bits per byte scaled by its tokens per byte."""
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 400)
+    tok = train_tokenizer([str(text)], 300, str(tmp_path / "hf" / "tokenizer.json"))
+    config = config_for(str(text), MeshConfig(data=8))
+    config = dataclasses.replace(config, train=dataclasses.replace(
+        config.train, init_from=str(tmp_path / "hf")), model=dataclasses.replace(
+        config.model, vocab_size=384))
+    source = open_source(config)
+    assert source.tokenizer.fingerprint == tok.fingerprint and source.tokens_per_byte < 0.5
+    row = source.train(0, 0, 1)["inputs"][0]
+    assert row.max() >= 256 and tok.decode(row) in text.read_text()
 
 
 def test_train_config_fields_exist():

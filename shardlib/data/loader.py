@@ -58,15 +58,33 @@ def _with_segments(batch: HostBatch) -> HostBatch:
             "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length))}
 
 
+_TOKENIZED: dict[tuple[str, str], tuple[np.ndarray, float]] = {}
+
+
+def tokenized_corpus(name: str, tokenizer: Tokenizer) -> tuple[np.ndarray, float]:
+    """A built-in corpus or text file through a tokenizer, in memory (for ``--init-from``
+    a model with its own tokenizer on the demo data); and its tokens per byte. Cached."""
+    key = (name, tokenizer.fingerprint)
+    if key not in _TOKENIZED:
+        raw = load_corpus(name)
+        text = bytes(raw).decode("utf-8", errors="replace")
+        ids = np.asarray(tokenizer.encode(text), np.int32)
+        ids.setflags(write=False)
+        _TOKENIZED.clear()  # one at a time: a corpus can be large
+        _TOKENIZED[key] = ids, len(ids) / max(len(raw), 1)
+    return _TOKENIZED[key]
+
+
 def corpus_source(config: Config) -> Source:
-    """stdlib, synthetic or a text file: bytes, random windows (``data.Batches``)."""
+    """stdlib, synthetic or a text file, no preparation: random windows (``data.Batches``)
+    of its bytes, or of its tokens under a tokenizer (``data.tokenizer``/``--init-from``)."""
     tc = config.train
-    if config.data.tokenizer not in ("", "bytes"):
-        raise ConfigError(f"data.tokenizer={config.data.tokenizer}: --data {tc.data} is read "
-                          "as bytes; tokenize it first with `shardlib data prepare --input "
-                          f"{tc.data} --tokenizer {config.data.tokenizer} --out DIR` and "
-                          "pass --data DIR")
-    train, val = split_corpus(load_corpus(tc.data), tc.seq_len, tc.data)
+    tokenizer = pick_tokenizer(config, None)
+    if isinstance(tokenizer, ByteTokenizer):
+        tokens, per_byte = load_corpus(tc.data), 1.0
+    else:
+        tokens, per_byte = tokenized_corpus(tc.data, tokenizer)
+    train, val = split_corpus(tokens, tc.seq_len, tc.data)
     batches = (Batches(train, tc.batch_size, tc.seq_len, tc.seed),
                Batches(val, tc.batch_size, tc.seq_len, tc.seed + 1))
     extra = _with_segments if config.data.packing_mask else (lambda b: b)
@@ -77,8 +95,8 @@ def corpus_source(config: Config) -> Source:
             return extra({"inputs": window[:, :-1], "targets": window[:, 1:]})
         return rows
 
-    return Source(tc.data, ByteTokenizer(), f"corpus:{tc.data}:{tc.seed}", 1.0,
-                  reader(batches[0]), reader(batches[1]))
+    return Source(tc.data, tokenizer, f"corpus:{tc.data}:{tc.seed}:{tokenizer.fingerprint}",
+                  per_byte, reader(batches[0]), reader(batches[1]))
 
 
 def pick_tokenizer(config: Config, dataset: PreparedDataset | None) -> Tokenizer:
