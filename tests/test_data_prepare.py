@@ -165,3 +165,17 @@ def test_cli_prepare_and_tokenizer_train(corpus, tmp_path, capsys):
     assert main(["data", "prepare", "--input", str(tmp_path / "x.jsonl"), "--out",
                  str(tmp_path / "ds2")]) == 2
     assert "x.jsonl: no such file" in capsys.readouterr().err
+
+
+def test_train_flags_size_the_vocabulary_for_the_tokenizer(corpus, tmp_path, capsys):
+    from shardlib.cli import build_parser, config_from_args
+
+    root, _, tok = corpus
+    prepare([str(root / "a.jsonl")], str(root / "tok"), str(tmp_path / "ds"), val_fraction=0.1)
+    args = ["train", "--data", str(tmp_path / "ds"), "--model", "tiny"]
+    config = config_from_args(build_parser().parse_args(args))
+    assert config.model.vocab_size == 384 and config.data.tokenizer == ""  # 300 -> 3 x 128
+    assert "model.vocab_size 256 -> 384" in capsys.readouterr().out
+    fixed = config_from_args(build_parser().parse_args(args + ["--set", "model.vocab_size=512",
+                                                                "data.packing_mask=true"]))
+    assert fixed.model.vocab_size == 512 and fixed.data.packing_mask

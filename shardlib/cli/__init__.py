@@ -161,7 +161,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     check_train_config(config.train)
     if args.command == "train":
         from shardlib.cli.data import fit_vocab
-        config = fit_vocab(config, args.overrides)
+        config = fit_vocab(config, args.overrides, quiet=bool(args.process_id))
     return config
 
 

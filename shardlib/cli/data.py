@@ -62,7 +62,7 @@ def run_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
-def fit_vocab(config: Config, overrides: list[str]) -> Config:
+def fit_vocab(config: Config, overrides: list[str], quiet: bool = False) -> Config:
     """With a tokenizer bigger than the preset's vocabulary (and no ``--init-from`` or
     ``--set model.vocab_size``), size the embedding for it, padded to a multiple of 128."""
     from shardlib.data.loader import padded_vocab, pick_tokenizer
@@ -78,4 +78,8 @@ def fit_vocab(config: Config, overrides: list[str]) -> Config:
     if vocab <= config.model.vocab_size:
         return config
     model = dataclasses.replace(config.model, vocab_size=padded_vocab(vocab))
+    if not quiet:
+        print(f"model.vocab_size {config.model.vocab_size} -> {model.vocab_size}: the "
+              f"tokenizer's {vocab} tokens, padded to a multiple of 128 (embed.w_vd in the "
+              "table)", flush=True)
     return dataclasses.replace(config, model=model)
