@@ -162,6 +162,7 @@ def main() -> None:
     setup = build_setup(config, devices)
     source = open_source(config)
     loader_tps = loader_rate(config, source, setup, batches=200)
+    print(f"loader: {loader_tps:,.0f} tokens/s (global batches on the devices)", flush=True)
     steps = bench_steps(config, source, setup, args.steps, args.rounds)
     step_tps = args.batch_size * args.seq_len / steps["step_s_async"]
     row = {"model": args.model, "mesh": args.mesh, "batch": args.batch_size,
