@@ -118,6 +118,9 @@ def bench_steps(config, source, setup, steps: int, rounds: int) -> dict[str, flo
                                              steps, sync)
                 loader.close()
                 times[name].append(seconds)
+            print(f"  round {len(times['none'])}/{rounds + 1} ({'sync' if sync else 'async'}): "
+                  + ", ".join(f"{k} {v[-1] / steps * 1e3:.0f} ms/step" for k, v in times.items()),
+                  flush=True)
         times = {name: values[1:] for name, values in times.items()}
         base = statistics.median(times["none"])
         mode = "sync" if sync else "async"

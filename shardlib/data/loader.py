@@ -150,7 +150,7 @@ def packed_source(config: Config) -> Source:
         order = order.shuffle(seed=tc.seed)  # a new permutation in every epoch (repeat)
     order = order.repeat(None)
     in_order = grain.MapDataset.range(max(len(val), 1)).repeat(None)
-    fingerprint = f"{dataset.fingerprint}:{tc.seq_len}:{tc.seed}:{dc.shuffle}"
+    fingerprint = f"{dataset.content_id}:{tc.seq_len}:{tc.seed}:{dc.shuffle}"
     return Source(tc.data, tokenizer, fingerprint, dataset.tokens_per_byte("val"),
                   _packed_reader(train, order, tc.batch_size, dc.packing_mask),
                   _packed_reader(val, in_order, tc.batch_size, dc.packing_mask),

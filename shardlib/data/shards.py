@@ -14,6 +14,7 @@ the shards (``np.memmap``): the corpus never has to fit in memory.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -66,8 +67,12 @@ class PreparedDataset:
         return self.manifest["tokenizer"]
 
     @property
-    def fingerprint(self) -> str:
-        return self.manifest["fingerprint"]
+    def content_id(self) -> str:
+        """A hash of every shard's checksum and the tokenizer: the same tokens, whatever
+        the paths or times of the files they were prepared from."""
+        sums = [s["checksum"] for name in SPLITS for s in self.manifest["splits"][name]["shards"]]
+        key = json.dumps([sums, self.tokenizer["fingerprint"]]).encode()
+        return hashlib.sha256(key).hexdigest()[:16]
 
     def split(self, name: str) -> list[Shard]:
         info = self.manifest["splits"][name]
