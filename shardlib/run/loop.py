@@ -7,6 +7,7 @@ between those, steps are dispatched asynchronously and their metrics stay on dev
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -45,10 +46,12 @@ class TrainResult:
     checkpoint_step: int | None = None  # newest checkpoint on disk at the end
 
 
-def evaluate(eval_step, params, val: data_lib.Batches, setup: TrainSetup, count: int) -> float:
-    """Mean loss over ``count`` held-out batches."""
-    losses = [eval_step(params, data_lib.global_batch(val, i, setup.batch_sharding))
-              for i in range(count)]
+def evaluate(eval_step, params, val: data_lib.Batches | data_lib.Loader, setup: TrainSetup,
+             count: int) -> float:
+    """Mean loss over ``count`` held-out batches (of a corpus, or a loader's val split)."""
+    batch = val.val_batch if isinstance(val, data_lib.Loader) else \
+        (lambda i: data_lib.global_batch(val, i, setup.batch_sharding))
+    losses = [eval_step(params, batch(i)) for i in range(count)]
     return float(np.mean(jax.device_get(losses)))
 
 
@@ -76,6 +79,7 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
     checkpointer = open_for_training(config.checkpoint)  # a bad directory fails first
     if config.mesh.auto:  # `--mesh auto`: the planner picks mesh, remat and microbatches
         config = resolve_auto(config, devices)
+    source = data_lib.open_source(config)  # bad data or tokenizer fails before compiling
     setup = build_setup(config, devices)
     result = TrainResult(state, setup)
     if state is None and checkpointer is not None and config.checkpoint.resume:
@@ -87,26 +91,50 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
     reporter.on_start(setup, {"params": count_params(config.model)})
     started = time.perf_counter()
     observer = observe.RunObserver(setup)
+    loader = _loader(setup, source, state, checkpointer, result.resumed_from)
     with StopSignals(enabled=checkpointer is not None) as stop:
-        state, compile_s = _run(setup, state, result, reporter, checkpointer, stop, observer)
+        state, compile_s = _run(setup, state, result, reporter, checkpointer, stop, observer,
+                                loader)
+    loader.close()
     result.state = state
     result.summary = summarize(result.history, compile_s, time.perf_counter() - started)
     result.summary.update(observer.summary(result.summary))  # MFU, peak memory, trace
     if checkpointer is not None:
         _final_save(checkpointer, state, config, result)
-    result.sample = "" if result.stopped_by else _sample(setup, state, config.train)
+    result.sample = "" if result.stopped_by else _sample(setup, state, config.train,
+                                                         source.tokenizer)
     reporter.on_end(result.summary, result.sample)
     return result
 
 
+def _loader(setup: TrainSetup, source: data_lib.Source, state: TrainState,
+            checkpointer: Checkpointer | None, resumed_from: int | None) -> data_lib.Loader:
+    """The run's loader, at the position saved with the resumed checkpoint (else at batch
+    ``state.step``); checkpoints save its position after each saved step."""
+    loader = data_lib.make_loader(setup.config, source, setup.batch_sharding)
+    loader.next_batch = int(state.step)
+    saved = None if resumed_from is None else checkpointer.saved_data_state(resumed_from)
+    if saved is not None:
+        loader.restore(saved)
+    if checkpointer is not None:
+        offset = loader.next_batch - int(state.step)  # batch k feeds step k + 1 - offset
+        checkpointer.data_state = lambda step: loader.state(step + offset)
+    return loader
+
+
+def _eval_row(row: dict[str, Any], loss: float, loader: data_lib.Loader) -> None:
+    """Eval loss (nats per token) and bits per byte of text (comparable across tokenizers)."""
+    row["eval_loss"] = loss
+    row["eval_bits_per_byte"] = loss * loader.source.tokens_per_byte / math.log(2)
+
+
 def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Reporter,
          checkpointer: Checkpointer | None, stop: StopSignals,
-         observer: observe.RunObserver) -> tuple[TrainState, float]:
+         observer: observe.RunObserver, loader: data_lib.Loader) -> tuple[TrainState, float]:
     """Compile, then step from ``state.step`` to ``train.steps``: log every ``log_every``
     steps, save every ``checkpoint.every``, and stop before the next step on a signal."""
     tc = setup.config.train
-    train_data, val_data = data_lib.make_batches(tc.data, tc.batch_size, tc.seq_len, tc.seed)
-    first = data_lib.global_batch(train_data, int(state.step), setup.batch_sharding)
+    first = next(loader)
     tick = time.perf_counter()
     step_fn = make_train_step(setup).lower(state, first).compile()
     compile_s = time.perf_counter() - tick
@@ -124,8 +152,7 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
         if stop.requested(step, tc.log_every):
             result.stopped_by = stop.signal
             break
-        batch = first if step == first_step else data_lib.global_batch(
-            train_data, step - 1, setup.batch_sharding)
+        batch = first if step == first_step else next(loader)
         observer.profiler.before_step(step, state)
         state, metrics = (after_save or step_fn)(state, batch)
         to_save = _hand_over(checkpointer, to_save, setup)  # once the next step runs
@@ -144,9 +171,11 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
         due = adapt is not None and adapt.due(step)
         if do_eval or due or step % tc.log_every == 0 or step == tc.steps:
             rows = _rows(pending, tick, tokens)
+            if loader.state()["epoch"] is not None:
+                rows[-1]["epoch"] = loader.state()["epoch"]
             if do_eval:
-                rows[-1]["eval_loss"] = evaluate(eval_step, state.params, val_data, setup,
-                                                 tc.eval_batches)
+                _eval_row(rows[-1], evaluate(eval_step, state.params, loader, setup,
+                                             tc.eval_batches), loader)
             if adapt is not None:
                 adapt.annotate(rows)
             if due:
@@ -270,20 +299,23 @@ def summarize(history: list[dict[str, Any]], compile_s: float, total_s: float) -
     if not history:
         return {"compile_time_s": compile_s, "total_time_s": total_s}
     steady = history[len(history) // 10:] or history
-    evals = [row["eval_loss"] for row in history if "eval_loss" in row]
+    evals = [row for row in history if "eval_loss" in row]
     return {
         "steps": history[-1]["step"], "first_loss": history[0]["loss"],
-        "final_loss": history[-1]["loss"], "eval_loss": evals[-1] if evals else None,
+        "final_loss": history[-1]["loss"],
+        "eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "eval_bits_per_byte": evals[-1].get("eval_bits_per_byte") if evals else None,
         "tokens_per_sec": float(np.median([r["tokens_per_sec"] for r in steady])),
         "step_time_s": float(np.median([r["step_time_s"] for r in steady])),
         "compile_time_s": compile_s, "total_time_s": total_s,
     }
 
 
-def _sample(setup: TrainSetup, state: TrainState, tc) -> str:
+def _sample(setup: TrainSetup, state: TrainState, tc, tokenizer: data_lib.Tokenizer) -> str:
+    """Generated text, encoded and decoded through the run's tokenizer."""
     if tc.sample_tokens <= 0:
         return ""
-    prompt = data_lib.encode("def " if tc.data == "stdlib" else "\n")
+    prompt = np.asarray(tokenizer.encode("def " if tc.data == "stdlib" else "\n"), np.int32)
     rows = generate(setup, state.params, prompt, tc.sample_tokens,
                     temperature=tc.sample_temperature, top_k=tc.sample_top_k, seed=tc.seed)
-    return data_lib.decode(rows[0])
+    return tokenizer.decode(rows[0])
