@@ -174,7 +174,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     init = make_hf_dir(work, args)
     prepared = prepare([str(work / "corpus.jsonl")], str(init), str(work / "data"),
-                       val_fraction=0.02)
+                       val_fraction=0.05)
     print(f"prepared {prepared.manifest['splits']['train']['num_tokens']:,} tokens with "
           f"{init}'s tokenizer", flush=True)
     start = time.perf_counter()
