@@ -117,8 +117,9 @@ print(f"row {row} holds pieces of {batch['segment_ids'][row].max()} documents")
 cuts = np.flatnonzero(np.diff(batch["segment_ids"][row])) + 1
 if cuts.size:
     cut = cuts[0]
-    print(f"a document starts at token {cut} (positions {batch['positions'][row, cut - 2:cut + 3]}"
-          "):", repr(load_tokenizer(str(WORK / "ds")).decode(batch["inputs"][row, cut - 6:cut + 6])))
+    around = load_tokenizer(str(WORK / "ds")).decode(batch["inputs"][row, cut - 6:cut + 6])
+    print(f"a document starts at token {cut} (positions "
+          f"{batch['positions'][row, cut - 2:cut + 3]}):", repr(around))
 
 fig, (ax_s, ax_p) = plt.subplots(1, 2, figsize=(12, 3))
 ax_s.imshow(batch["segment_ids"], aspect="auto", cmap="tab20", interpolation="nearest")
