@@ -123,7 +123,6 @@ def _forward(plan: _Plan, q, k, v, seg_q, seg_k):
     kb = _blocks(_pad_to(k, 1, plan.bk), plan.bk)  # (nk, B, bk, G, K)
     vb = _blocks(_pad_to(v, 1, plan.bk), plan.bk)
     sqb, skb = _segment_blocks(plan, seg_q, seg_k)
-    b, _, g, r, d = qb.shape[1:]
 
     def one_q_block(i):
         q_i = qb[i]
@@ -145,14 +144,16 @@ def _forward(plan: _Plan, q, k, v, seg_q, seg_k):
                 return tile(j, carry)
             return jax.lax.cond(_overlap(sq_i, skb[j]), tile, lambda _, c: c, j, carry)
 
-        init = (jnp.full((b, g, r, plan.bq), NEG, jnp.float32),
-                jnp.zeros((b, g, r, plan.bq), jnp.float32),
-                jnp.zeros((b, g, r, plan.bq, d), jnp.float32))
+        # *_like: the carry inherits q's varying mesh axes inside shard_map
+        rows = jnp.moveaxis(q_i[..., 0], 1, -1)  # (B, G, R, bq)
+        init = (jnp.full_like(rows, NEG, jnp.float32), jnp.zeros_like(rows, jnp.float32),
+                jnp.zeros_like(jnp.moveaxis(q_i, 1, 3), jnp.float32))
         m, l, acc = jax.lax.fori_loop(0, plan.kv_end(i), maybe_tile, init)
         safe_l = jnp.where(l == 0, 1.0, l)
         out = acc / safe_l[..., None]  # (B, G, R, bq, K)
         lse = jnp.where(l == 0, jnp.inf, m + jnp.log(safe_l))  # inf: p = exp(s - inf) = 0
-        out = jnp.moveaxis(out, 3, 1).reshape(b, plan.bq, g * r, d).astype(q.dtype)
+        b, d = out.shape[0], out.shape[-1]
+        out = jnp.moveaxis(out, 3, 1).reshape(b, plan.bq, plan.heads, d).astype(q.dtype)
         return out, lse
 
     out_nbqhk, lse = jax.lax.map(one_q_block, jnp.arange(plan.nq))
@@ -192,7 +193,7 @@ def _backward(plan: _Plan, q, k, v, seg_q, seg_k, out, lse, d_out):
                                        preferred_element_type=jnp.float32) * plan.scale
             return skip_or(i, j, compute, dq)
 
-        return jax.lax.fori_loop(0, plan.kv_end(i), tile, jnp.zeros(qb.shape[1:], jnp.float32))
+        return jax.lax.fori_loop(0, plan.kv_end(i), tile, jnp.zeros_like(qb[i], jnp.float32))
 
     def dkv_block(j):
         def tile(i, carry):
@@ -206,7 +207,7 @@ def _backward(plan: _Plan, q, k, v, seg_q, seg_k, out, lse, d_out):
                 return dk, dv
             return skip_or(i, j, compute, carry)
 
-        zeros = jnp.zeros(kb.shape[1:], jnp.float32)
+        zeros = jnp.zeros_like(kb[j], jnp.float32)
         return jax.lax.fori_loop(plan.q_start(j), plan.nq, tile, (zeros, zeros))
 
     dq = jax.lax.map(dq_block, jnp.arange(plan.nq))  # (nq, B, bq, G, R, K)

@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlib import precision
+from shardlib.errors import ConfigError
 from shardlib.train import comm, diloco, pipeline
 from shardlib.train.objective import (  # noqa: F401  (loss_fn, model_loss: public here too)
     Batch,
@@ -53,6 +54,9 @@ def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: Batch,
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
     pin = lambda g: jax.lax.with_sharding_constraint(g, setup.grad_shardings)
     if pipeline.applies(setup.sizes):  # GPipe / 1F1B over `pipeline` (parallel.pipeline)
+        if "segment_ids" in batch or "positions" in batch:
+            raise ConfigError("mesh.pipeline>1 does not take packed batches' segment_ids/"
+                              "positions yet; use a mesh without pipeline or unpacked rows")
         loss, grads = pipeline.loss_and_grads(setup, params, batch, scale)
         return loss, pin(grads), {"loss": loss}
     if count == 1:
@@ -112,12 +116,19 @@ def lr_at(setup: TrainSetup, step: jax.Array) -> jax.Array:
     return lr_schedule(setup.config.optim, setup.config.train.steps)(step)
 
 
+def batch_shardings(setup: TrainSetup) -> NamedSharding:
+    """The jit in_shardings of a batch: one sharding, a prefix of the batch's tree, so
+    every (B, T) key is split like ``inputs``: ``targets``, and a packed batch's optional
+    ``segment_ids`` and ``positions``."""
+    return setup.batch_sharding
+
+
 def make_train_step(setup: TrainSetup, *, donate: bool = True
                     ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """``train_step`` jitted with the setup's shardings. The input state is donated
     (updated in place) unless ``donate=False``, which keeps it alive, e.g. for a
     checkpoint still reading it."""
-    batch_sh = {"inputs": setup.batch_sharding, "targets": setup.batch_sharding}
+    batch_sh = batch_shardings(setup)
     return jax.jit(
         lambda state, batch: train_step(setup, state, batch),
         in_shardings=(setup.state_shardings, batch_sh),
@@ -128,7 +139,7 @@ def make_train_step(setup: TrainSetup, *, donate: bool = True
 
 def make_eval_step(setup: TrainSetup) -> Callable[[nnx.State, Batch], jax.Array]:
     """Cross-entropy on a held-out batch, no gradients."""
-    batch_sh = {"inputs": setup.batch_sharding, "targets": setup.batch_sharding}
+    batch_sh = batch_shardings(setup)
     return jax.jit(
         lambda params, batch: loss_and_metrics(setup, params, batch)[1]["loss"],
         in_shardings=(setup.state_shardings.params, batch_sh),
