@@ -182,8 +182,7 @@ def test_chunked_on_mesh_matches_textbook_on_one_device():
 
 def test_train_step_takes_packed_batches():
     """make_train_step's batch sharding covers segment_ids/positions; two steps train."""
-    config = dataclasses.replace(tiny_config(MeshConfig(data=2, fsdp=2, tensor=2), steps=2),
-                                 attention=AttentionConfig(kernel="chunked", chunk=16))
+    config = tiny_config(MeshConfig(data=8), steps=2)
     setup = build_setup(config, jax.devices())
     state, step = init_state(setup, 0), make_train_step(setup)
     batch = {k: jax.device_put(v, setup.batch_sharding) for k, v in packed_batch().items()}
@@ -197,8 +196,10 @@ def test_train_step_takes_packed_batches():
 def test_context_parallel_refuses_document_masks():
     config = dataclasses.replace(tiny_config(MeshConfig(data=2, sequence=4)),
                                  attention=AttentionConfig(context_parallel="ring"))
+    setup = build_setup(config, jax.devices())
+    params = jax.eval_shape(lambda: init_state(setup, 0)).params
     with pytest.raises(ConfigError, match="context_parallel=ring: document masks"):
-        grads_of(config, packed_batch(), 8)
+        jax.eval_shape(lambda p, b: loss_fn(setup, p, b), params, packed_batch())
 
 
 def test_gpu_flags_never_applied_on_cpu():
