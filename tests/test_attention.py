@@ -75,7 +75,7 @@ def test_chunked_equals_textbook(name):
                                                             block_k=8))
     (out_ref, grads_ref), (out, grads) = ref(q, k, v), got(q, k, v)
     np.testing.assert_allclose(out, out_ref, **KERNEL_TOL)
-    for name_, g_, r_ in zip("qkv", grads, grads_ref):
+    for name_, g_, r_ in zip("qkv", grads, grads_ref, strict=True):
         np.testing.assert_allclose(g_, r_, **KERNEL_TOL, err_msg=f"d{name_}")
 
 
@@ -126,7 +126,7 @@ def packed_batch(b=8, t=32, seed=0):
     for row in range(b):
         cuts = np.sort(rng.choice(np.arange(1, t), rng.integers(0, 3), replace=False))
         bounds = [0, *cuts.tolist(), t]
-        for d, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        for d, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
             seg[row, lo:hi], pos[row, lo:hi] = d + 1, np.arange(hi - lo)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
             "positions": pos}

@@ -86,10 +86,10 @@ class Documents:
     positions: jax.Array | None = None
 
 
-_KERNEL: contextvars.ContextVar[KernelChoice] = contextvars.ContextVar(
-    "shardlib_attention_kernel", default=KernelChoice())
-_DOCUMENTS: contextvars.ContextVar[Documents] = contextvars.ContextVar(
-    "shardlib_documents", default=Documents())
+_KERNEL: contextvars.ContextVar[KernelChoice | None] = contextvars.ContextVar(
+    "shardlib_attention_kernel", default=None)
+_DOCUMENTS: contextvars.ContextVar[Documents | None] = contextvars.ContextVar(
+    "shardlib_documents", default=None)
 
 
 @contextlib.contextmanager
@@ -117,11 +117,12 @@ def packed_documents(segment_ids: jax.Array | None,
 
 def documents() -> Documents:
     """The document mask and positions active here (both None outside ``packed_documents``)."""
-    return _DOCUMENTS.get()
+    return _DOCUMENTS.get() or Documents()
 
 
 def active_kernel() -> KernelChoice:
-    return _KERNEL.get()
+    """The kernel chosen for this trace (``using_kernel``; textbook outside it)."""
+    return _KERNEL.get() or KernelChoice()
 
 
 # --- the kernels ------------------------------------------------------------------------

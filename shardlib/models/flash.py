@@ -129,7 +129,7 @@ def _forward(plan: _Plan, q, k, v, seg_q, seg_k):
         sq_i = None if sqb is None else sqb[i]
 
         def tile(j, carry):
-            m, l, acc = carry
+            m, row_sum, acc = carry
             keep = _mask(plan, i, j, sq_i, None if skb is None else skb[j])
             s = _scores(plan, q_i, kb[j], keep)  # (B, G, R, bq, bk)
             m_new = jnp.maximum(m, s.max(axis=-1))
@@ -137,7 +137,7 @@ def _forward(plan: _Plan, q, k, v, seg_q, seg_k):
             alpha = jnp.exp(m - m_new)
             pv = jnp.einsum("bgrqs,bsgk->bgrqk", p.astype(v.dtype), vb[j],
                             preferred_element_type=jnp.float32)
-            return m_new, alpha * l + p.sum(axis=-1), alpha[..., None] * acc + pv
+            return m_new, alpha * row_sum + p.sum(axis=-1), alpha[..., None] * acc + pv
 
         def maybe_tile(j, carry):
             if sqb is None:
@@ -148,10 +148,11 @@ def _forward(plan: _Plan, q, k, v, seg_q, seg_k):
         rows = jnp.moveaxis(q_i[..., 0], 1, -1)  # (B, G, R, bq)
         init = (jnp.full_like(rows, NEG, jnp.float32), jnp.zeros_like(rows, jnp.float32),
                 jnp.zeros_like(jnp.moveaxis(q_i, 1, 3), jnp.float32))
-        m, l, acc = jax.lax.fori_loop(0, plan.kv_end(i), maybe_tile, init)
-        safe_l = jnp.where(l == 0, 1.0, l)
-        out = acc / safe_l[..., None]  # (B, G, R, bq, K)
-        lse = jnp.where(l == 0, jnp.inf, m + jnp.log(safe_l))  # inf: p = exp(s - inf) = 0
+        m, row_sum, acc = jax.lax.fori_loop(0, plan.kv_end(i), maybe_tile, init)
+        empty = row_sum == 0  # rows that see no key (padding)
+        safe_sum = jnp.where(empty, 1.0, row_sum)
+        out = acc / safe_sum[..., None]  # (B, G, R, bq, K)
+        lse = jnp.where(empty, jnp.inf, m + jnp.log(safe_sum))  # inf: p = exp(s - inf) = 0
         b, d = out.shape[0], out.shape[-1]
         out = jnp.moveaxis(out, 3, 1).reshape(b, plan.bq, plan.heads, d).astype(q.dtype)
         return out, lse
