@@ -134,11 +134,17 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """How attention splits over the ``sequence`` axis (``shardlib.parallel.context``)."""
+    """How attention splits over the ``sequence`` axis (``shardlib.parallel.context``) and
+    which kernel computes it locally (``shardlib.models.attention``)."""
 
     # none: XLA's partitioner gathers K/V | ring: K/V blocks passed around a ring (zig-zag
     # causal balancing) | ulysses: all-to-all to head-split | allgather: gather K/V by hand
     context_parallel: str = "none"
+    # The local kernel (shardlib.models.attention): xla (textbook, O(T^2) scores) | chunked
+    # (flash-style online softmax, O(T * chunk) memory) | cudnn (GPU, bf16/fp16) | auto
+    # (cudnn on GPU in bf16/fp16, chunked from T >= 1024, else xla)
+    kernel: str = "xla"
+    chunk: int = 512  # the chunked kernel's query and key block, in tokens
 
 
 @dataclass(frozen=True)

@@ -147,11 +147,18 @@ def vocab_lookup(w_vd: jax.Array, tokens_bt: jax.Array) -> jax.Array:
 
 
 def attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *,
-              local: Callable[..., jax.Array]) -> jax.Array:
-    """Causal attention over the whole sequence; ``local`` is the model's own kernel,
-    used unless a context-parallel method takes over."""
+              local: Callable[..., jax.Array],
+              segment_ids: jax.Array | None = None) -> jax.Array:
+    """Causal attention over the whole sequence; ``local`` is the model's own kernel
+    (already holding the document mask ``segment_ids``, passed here so that a strategy
+    that replaces ``local`` can refuse a mask it does not apply), used unless a
+    context-parallel method takes over."""
     fn = _LAYER.get("attention")
-    return local(q_bthk, k_bthk, v_bthk) if fn is None else fn(q_bthk, k_bthk, v_bthk, local)
+    if fn is None:
+        return local(q_bthk, k_bthk, v_bthk)
+    if segment_ids is None:
+        return fn(q_bthk, k_bthk, v_bthk, local)
+    return fn(q_bthk, k_bthk, v_bthk, local, segment_ids=segment_ids)
 
 
 def expert_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array, *,

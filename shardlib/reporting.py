@@ -18,6 +18,7 @@ from rich.table import Table
 from shardlib.analysis.tables import rules_line, sharding_table
 from shardlib.errors import ConfigError
 from shardlib.mesh import describe
+from shardlib.models.attention import describe as describe_attention
 from shardlib.train.setup import TrainSetup
 from shardlib.units import format_bytes
 
@@ -61,6 +62,9 @@ class ConsoleReporter:
         model = setup.config.model
         self.console.print(describe(setup.mesh))
         self.console.print(rules_line(setup))
+        self.console.print(describe_attention(
+            setup.config.attention.kernel, seq_len=setup.config.train.seq_len,
+            dtype=setup.policy.compute, head_dim=model.head_dim))
         self.console.print(f"model {model.name}: {info['params']:,} parameters, "
                            f"{model.num_layers} layers, d_model {model.d_model}")
         self.console.print(sharding_table(setup))

@@ -15,6 +15,7 @@ from flax import nnx
 
 from shardlib import hooks
 from shardlib.config import ModelConfig
+from shardlib.models.attention import packed_documents
 from shardlib.models.layers import (
     MLP,
     Attention,
@@ -105,29 +106,39 @@ class GPT(nnx.Module):
             self.w_head_dv = param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
                                    ("embed", "vocab"))
 
-    def __call__(self, tokens_bt: jax.Array) -> jax.Array:
-        return self.forward(tokens_bt)[0]
+    def __call__(self, tokens_bt: jax.Array, segment_ids: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> jax.Array:
+        return self.forward(tokens_bt, segment_ids, positions)[0]
 
-    def forward(self, tokens_bt: jax.Array) -> tuple[jax.Array, MoEStats]:
+    def forward(self, tokens_bt: jax.Array, segment_ids: jax.Array | None = None,
+                positions: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
         """Logits and the MoE layers' router stats (each with a leading MoE-layer dim;
-        empty for a dense model)."""
+        empty for a dense model). A packed batch passes ``segment_ids`` (B, T) (tokens of
+        different documents do not attend to each other) and ``positions`` (B, T) (each
+        document's positions from 0, for RoPE or the learned table)."""
         stats: MoEStats = {}
-        x_btd = self.embed_tokens(tokens_bt)
-        if self.cfg.num_experts:
-            x_btd, stats = run_groups(self.blocks, x_btd, self.cfg, remat)
-        elif self.cfg.scan_layers:
-            x_btd = scan_layers(self.blocks, x_btd, self.cfg.remat)
-        else:
-            for block in self.blocks:
-                x_btd = remat(lambda x, b=block: call_gathered(b, x), self.cfg.remat)(x_btd)
+        with packed_documents(segment_ids, positions):
+            x_btd = self.embed_tokens(tokens_bt, positions)
+            if self.cfg.num_experts:
+                x_btd, stats = run_groups(self.blocks, x_btd, self.cfg, remat)
+            elif self.cfg.scan_layers:
+                x_btd = scan_layers(self.blocks, x_btd, self.cfg.remat)
+            else:
+                for block in self.blocks:
+                    x_btd = remat(lambda x, b=block: call_gathered(b, x),
+                                  self.cfg.remat)(x_btd)
         return self.head(x_btd), stats
 
-    def embed_tokens(self, tokens_bt: jax.Array) -> jax.Array:
+    def embed_tokens(self, tokens_bt: jax.Array,
+                     positions: jax.Array | None = None) -> jax.Array:
         """Tokens (B, T) -> the first block's input (B, T, D), positions added."""
         x_btd = self.embed(tokens_bt)
         if self.cfg.pos_embedding == "learned":
-            pos_td = hooks.sequence_rows(self.pos_td[...][: tokens_bt.shape[1]])
-            x_btd = x_btd + pos_td[None]  # (1, T, D); this device's T/t rows under SP
+            if positions is None:
+                pos_td = hooks.sequence_rows(self.pos_td[...][: tokens_bt.shape[1]])
+                return x_btd + pos_td[None]  # (1, T, D); this device's T/t rows under SP
+            local_tb = hooks.sequence_rows(positions.T)  # this device's T/t rows under SP
+            x_btd = x_btd + jnp.take(self.pos_td[...], local_tb.T, axis=0)
         return x_btd
 
     def head(self, x_btd: jax.Array) -> jax.Array:

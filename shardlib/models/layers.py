@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlib import hooks
+from shardlib.models import attention
 from shardlib.sharding import constrain
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
@@ -94,10 +95,23 @@ def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, j
     return jnp.cos(angles_tk), jnp.sin(angles_tk)
 
 
+def rope_tables_at(positions_bt: jax.Array, head_dim: int,
+                   theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables at given positions (packed documents restart at 0), each
+    (B, T, head_dim // 2)."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles_btk = positions_bt.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles_btk), jnp.sin(angles_btk)
+
+
 def apply_rope(x_bthk: jax.Array, cos_tk: jax.Array, sin_tk: jax.Array) -> jax.Array:
-    """Rotate pairs (first half, second half) of each head by position."""
+    """Rotate pairs (first half, second half) of each head by position; the tables are
+    (T, K/2) (``rope_tables``) or per row (B, T, K/2) (``rope_tables_at``)."""
     x1, x2 = jnp.split(x_bthk.astype(jnp.float32), 2, axis=-1)
-    cos, sin = cos_tk[None, :, None, :], sin_tk[None, :, None, :]
+    if cos_tk.ndim == 3:
+        cos, sin = cos_tk[:, :, None, :], sin_tk[:, :, None, :]
+    else:
+        cos, sin = cos_tk[None, :, None, :], sin_tk[None, :, None, :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_bthk.dtype)
 
@@ -128,15 +142,22 @@ class Attention(nnx.Module):
         heads = ("act_batch", "act_seq", "act_heads", "act_head_dim")
         x_btd = hooks.enter_region(x_btd)  # Megatron's f: SP gathers the sequence here
         q_bthk, k_bthk, v_bthk = (constrain(a, heads) for a in self.project_qkv(x_btd))
+        docs = attention.documents()  # a packed batch's segment ids and positions, if any
         if self.rope_theta is not None:
-            cos, sin = rope_tables(x_btd.shape[1], q_bthk.shape[-1], self.rope_theta)
+            if docs.positions is None:
+                cos, sin = rope_tables(x_btd.shape[1], q_bthk.shape[-1], self.rope_theta)
+            else:
+                cos, sin = rope_tables_at(docs.positions, q_bthk.shape[-1], self.rope_theta)
             q_bthk, k_bthk = apply_rope(q_bthk, cos, sin), apply_rope(k_bthk, cos, sin)
         groups = q_bthk.shape[2] // k_bthk.shape[2]
         if groups > 1:  # GQA: query head h reads K/V head h // groups (local under TP)
             k_bthk, v_bthk = (constrain(jnp.repeat(a, groups, axis=2), heads)
                               for a in (k_bthk, v_bthk))
-        # ring / ulysses / allgather over `sequence` when context parallelism is on
-        out_bthk = hooks.attention(q_bthk, k_bthk, v_bthk, local=gathered_kv_attention)
+        # ring / ulysses / allgather over `sequence` when context parallelism is on; else
+        # the kernel the step chose (attention.kernel), with the documents' mask
+        local = partial(gathered_kv_attention, segment_ids=docs.segment_ids)
+        out_bthk = hooks.attention(q_bthk, k_bthk, v_bthk, local=local,
+                                   segment_ids=docs.segment_ids)
         out_btd = linear("bthk,hkd->btd", constrain(out_bthk, heads), self.w_o_hkd[...])
         out_btd = hooks.exit_region(out_btd)  # Megatron's g; the bias is added once, after
         if self.use_bias:
@@ -189,23 +210,19 @@ def _linear_bwd(spec: str, residuals: tuple[jax.Array, jax.Array], g: jax.Array)
 linear.defvjp(_linear_fwd, _linear_bwd)
 
 
-def gathered_kv_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array
-                          ) -> jax.Array:
+def gathered_kv_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *,
+                          segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal attention with K/V gathered along the sequence: every query block needs
-    all earlier keys (XLA inserts the gather when ``act_kv_seq`` is unsplit)."""
+    all earlier keys (XLA inserts the gather when ``act_kv_seq`` is unsplit). The kernel
+    is the one active for this trace (``attention.using_kernel``; textbook by default)."""
     kv = ("act_batch", "act_kv_seq", "act_heads", "act_head_dim")
-    return causal_attention(q_bthk, constrain(k_bthk, kv), constrain(v_bthk, kv))
+    return attention.attend(q_bthk, constrain(k_bthk, kv), constrain(v_bthk, kv),
+                            segment_ids=segment_ids)
 
 
 def causal_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(k) + causal mask) v, softmax in fp32."""
-    scale = q_bthk.shape[-1] ** -0.5
-    scores_bhts = jnp.einsum("bthk,bshk->bhts", q_bthk, k_bshk).astype(jnp.float32) * scale
-    t, s = scores_bhts.shape[-2:]
-    mask_ts = jnp.arange(t)[:, None] >= jnp.arange(s)[None, :]
-    scores_bhts = jnp.where(mask_ts, scores_bhts, jnp.finfo(jnp.float32).min)
-    probs_bhts = jax.nn.softmax(scores_bhts, axis=-1).astype(v_bshk.dtype)
-    return jnp.einsum("bhts,bshk->bthk", probs_bhts, v_bshk)
+    """softmax(q k^T / sqrt(k) + causal mask) v, softmax in fp32 (the textbook kernel)."""
+    return attention.textbook_attention(q_bthk, k_bshk, v_bshk, causal=True)
 
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {

@@ -313,10 +313,17 @@ def sequence_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, 
 
 
 def attend(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array,
-           local: Callable[..., jax.Array]) -> jax.Array:
+           local: Callable[..., jax.Array], *,
+           segment_ids: jax.Array | None = None) -> jax.Array:
     """The model's attention hook: the active method's, or ``local`` when none is."""
-    if active_method() is None:
+    method = active_method()
+    if method is None:
         return local(q_bthk, k_bthk, v_bthk)
+    if segment_ids is not None:
+        raise ConfigError(f"attention.context_parallel={method}: document masks (a packed "
+                          "batch's segment_ids) are not applied by context parallelism yet; "
+                          "use attention.context_parallel=none or a batch without "
+                          "segment_ids")
     return context_attention(q_bthk, k_bthk, v_bthk)
 
 

@@ -14,13 +14,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlib import precision
+from shardlib.models.attention import using_kernel
 from shardlib.models.gpt import gather_outside_layers
 from shardlib.models.moe import moe_objective
 from shardlib.parallel import context, fsdp, tensor
 from shardlib.sharding import Rules, activation_rules
 from shardlib.train.setup import TrainSetup
 
-Batch = dict[str, jax.Array]  # {"inputs": (B, T) int32, "targets": (B, T) int32}
+# {"inputs": (B, T) int32, "targets": (B, T) int32}, and from a packed loader optionally
+# "segment_ids" and "positions" (B, T) int32 (see models.attention.packed_documents)
+Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
 
 
@@ -31,8 +34,11 @@ def model_loss(setup: TrainSetup, rules: Rules, params: nnx.State,
     Activations are pinned by ``rules``. Every part is a mean over rows."""
     cp_method = setup.config.attention.context_parallel
     model = nnx.merge(setup.graphdef, gather_outside_layers(params))  # FSDP: see hooks
-    with activation_rules(setup.mesh, rules), context.context_parallel(cp_method):
-        logits_btv, moe_stats = model.forward(batch["inputs"])
+    attn = setup.config.attention
+    with (activation_rules(setup.mesh, rules), context.context_parallel(cp_method),
+          using_kernel(attn.kernel, attn.chunk)):
+        logits_btv, moe_stats = model.forward(batch["inputs"], batch.get("segment_ids"),
+                                              batch.get("positions"))
     logits_btv = logits_btv.astype(setup.policy.output)
     losses_bt = tensor.cross_entropy(logits_btv, batch["targets"])  # vocab-parallel if TP
     penalty, moe_metrics = moe_objective(setup.config.model, moe_stats)

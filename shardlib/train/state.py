@@ -17,6 +17,7 @@ from shardlib.config import CommConfig, Config, OptimConfig
 from shardlib.errors import ConfigError
 from shardlib.mesh import MESH_AXES, make_mesh, resolve_degrees
 from shardlib.models import GPT, check_model
+from shardlib.models.attention import check_kernel
 from shardlib.models.moe import check_moe
 from shardlib.parallel.context import check_context_parallel
 from shardlib.precision import LossScale
@@ -129,6 +130,8 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None) -> Trai
     check_context_parallel(config.attention.context_parallel, sizes=sizes,
                            num_heads=config.model.num_heads, seq_len=config.train.seq_len)
     check_pipeline(config, sizes)
+    check_kernel(config.attention.kernel, config.attention.chunk,
+                 backend=devices[0].platform if devices else jax.default_backend())
     comm_lib.check_comm(config.comm, sizes, zero=config.mesh.zero,
                         loss_scaling=policy.loss_scaling)
     rules = sharding.make_rules(config.mesh, sizes, config.rules)

@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlib import precision
+from shardlib.errors import ConfigError
 from shardlib.train import comm, diloco, pipeline
 from shardlib.train.objective import (  # noqa: F401  (loss_fn, model_loss: public here too)
     Batch,
@@ -53,6 +54,9 @@ def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: Batch,
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
     pin = lambda g: jax.lax.with_sharding_constraint(g, setup.grad_shardings)
     if pipeline.applies(setup.sizes):  # GPipe / 1F1B over `pipeline` (parallel.pipeline)
+        if "segment_ids" in batch or "positions" in batch:
+            raise ConfigError("mesh.pipeline>1 does not take packed batches' segment_ids/"
+                              "positions yet; use a mesh without pipeline or unpacked rows")
         loss, grads = pipeline.loss_and_grads(setup, params, batch, scale)
         return loss, pin(grads), {"loss": loss}
     if count == 1:
@@ -109,6 +113,7 @@ def train_step(setup: TrainSetup, state: TrainState, batch: Batch) -> tuple[Trai
 
 
 def lr_at(setup: TrainSetup, step: jax.Array) -> jax.Array:
+    """The learning rate at optimizer step ``step``."""
     return lr_schedule(setup.config.optim, setup.config.train.steps)(step)
 
 

@@ -1,0 +1,226 @@
+"""Attention kernels (``models.attention``, ``models.flash``) and packed-document masks.
+
+The chunked kernel equals the textbook one (values and gradients, fp32) for causal,
+grouped-query and document-masked attention, with lengths that do not divide the block;
+its compiled temporaries at T=2048 are a fraction of the textbook kernel's; training with
+it on a data/fsdp/tensor mesh equals one device with the textbook kernel; a packed row's
+documents do not see each other (each document's logits equal running it alone); bad
+kernel choices are ConfigErrors; the GPU XLA flags are never applied on CPU.
+"""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from shardlib import accelerator
+from shardlib.config import AttentionConfig, MeshConfig
+from shardlib.errors import ConfigError
+from shardlib.models import GPT
+from shardlib.models.attention import attend, resolve, textbook_attention, using_kernel
+from shardlib.models.flash import chunked_attention
+from shardlib.train.state import build_setup, init_state
+from shardlib.train.step import loss_fn, make_train_step
+from tests.helpers import relative_error, tiny_config
+
+TOL = 1e-5  # the equivalence suites' tolerance
+KERNEL_TOL = dict(rtol=1e-5, atol=1e-6)  # fp32 kernels: summation order only
+
+
+def qkv(t, heads=4, kv_heads=4, b=2, d=16, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    return (jax.random.normal(keys[0], (b, t, heads, d)),
+            jax.random.normal(keys[1], (b, t, kv_heads, d)),
+            jax.random.normal(keys[2], (b, t, kv_heads, d)))
+
+
+def packed_segments(t, lengths_per_row):
+    """(B, T) int32 segment ids from 1, one row per list of document lengths."""
+    rows = [np.repeat(np.arange(1, len(ls) + 1), ls) for ls in lengths_per_row]
+    assert all(len(r) == t for r in rows)
+    return jnp.asarray(np.stack(rows).astype(np.int32))
+
+
+def value_and_grads(fn):
+    """One jitted function: fn's output and the gradients of a weighted sum of it."""
+    def both(q, k, v):
+        weight = jnp.cos(jnp.arange(q.shape[-1], dtype=jnp.float32))  # a non-uniform dO
+        loss = lambda q, k, v: jnp.sum(fn(q, k, v) * weight)
+        return fn(q, k, v), jax.grad(loss, (0, 1, 2))(q, k, v)
+    return jax.jit(both)
+
+
+CASES = {  # name: (T, heads, kv heads, document lengths per row or None, causal)
+    "causal-gqa-ragged": (70, 4, 2, None, True),  # T divides neither block
+    "causal-segments": (96, 4, 4, [[30, 50, 16], [96]], True),
+    "full-gqa-segments": (64, 4, 1, [[20, 30, 14], [5, 59]], False),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_chunked_equals_textbook(name):
+    t, h, g, lengths, causal = CASES[name]
+    q, k, v = qkv(t, h, g)
+    seg = None if lengths is None else packed_segments(t, lengths)
+    ref = value_and_grads(lambda q, k, v: textbook_attention(q, k, v, causal=causal,
+                                                             segment_ids=seg))
+    got = value_and_grads(lambda q, k, v: chunked_attention(q, k, v, causal=causal,
+                                                            segment_ids=seg, block_q=16,
+                                                            block_k=8))
+    (out_ref, grads_ref), (out, grads) = ref(q, k, v), got(q, k, v)
+    np.testing.assert_allclose(out, out_ref, **KERNEL_TOL)
+    for name_, g_, r_ in zip("qkv", grads, grads_ref, strict=True):
+        np.testing.assert_allclose(g_, r_, **KERNEL_TOL, err_msg=f"d{name_}")
+
+
+def temp_bytes(fn, *args) -> int:
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_chunked_temporaries_far_below_textbook_at_2048():
+    """Compile only: forward + backward temporaries at T=2048, one device."""
+    q = k = v = jax.ShapeDtypeStruct((1, 2048, 2, 16), jnp.float32)
+
+    def grads(kernel):
+        loss = lambda q, k, v: jnp.sum(attend(q, k, v, kernel=kernel, chunk=256))
+        return jax.grad(loss, (0, 1, 2))
+
+    textbook, chunked = temp_bytes(grads("xla"), q, k, v), temp_bytes(grads("chunked"), q, k, v)
+    scores = 2 * 2048 * 2048 * 4  # one (H, T, T) fp32 score matrix
+    assert textbook >= scores  # the textbook kernel materialises it (at least once)
+    assert chunked * 8 <= textbook, (chunked, textbook)
+
+
+def test_auto_rule():
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    assert resolve("auto", backend="cpu", seq_len=512, dtype=f32, head_dim=64) == "xla"
+    assert resolve("auto", backend="cpu", seq_len=4096, dtype=f32, head_dim=64) == "chunked"
+    assert resolve("auto", backend="tpu", seq_len=4096, dtype=bf16, head_dim=64) == "chunked"
+    assert resolve("auto", backend="gpu", seq_len=512, dtype=bf16, head_dim=64) == "cudnn"
+    assert resolve("auto", backend="gpu", seq_len=4096, dtype=f32, head_dim=64) == "chunked"
+    assert resolve("chunked", backend="gpu", seq_len=8, dtype=bf16, head_dim=64) == "chunked"
+
+
+@pytest.mark.parametrize("attn, match", [
+    (AttentionConfig(kernel="flash"), "attention.kernel='flash'"),
+    (AttentionConfig(kernel="cudnn"), "attention.kernel=cudnn needs a GPU"),
+    (AttentionConfig(kernel="chunked", chunk=0), "attention.chunk=0"),
+])
+def test_bad_kernel_choice_is_a_config_error(attn, match):
+    config = dataclasses.replace(tiny_config(MeshConfig(data=1)), attention=attn)
+    with pytest.raises(ConfigError, match=match):
+        build_setup(config, jax.devices()[:1])
+
+
+def packed_batch(b=8, t=32, seed=0):
+    """A packed batch: random tokens, 1-3 documents per row, positions from 0 per document."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 256, (b, t + 1), dtype=np.int32)
+    seg, pos = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
+    for row in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, t), rng.integers(0, 3), replace=False))
+        bounds = [0, *cuts.tolist(), t]
+        for d, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            seg[row, lo:hi], pos[row, lo:hi] = d + 1, np.arange(hi - lo)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
+            "positions": pos}
+
+
+def test_packed_document_logits_equal_document_alone():
+    """Through the whole model (chunked kernel, RoPE positions restarting per document):
+    each document's logits in a packed row equal its logits at the start of a row of its
+    own, unmasked, textbook kernel (causal: later tokens cannot change them)."""
+    model = GPT(tiny_config(MeshConfig(data=1)).model, rngs=nnx.Rngs(0))
+    batch = {k: jnp.asarray(v) for k, v in packed_batch(b=2, t=32, seed=3).items()}
+    with using_kernel("chunked", 8):
+        packed = jax.jit(lambda b: model(b["inputs"], b["segment_ids"], b["positions"]))(batch)
+    row, seg = 0, np.asarray(batch["segment_ids"][0])
+    docs = [np.flatnonzero(seg == d) for d in np.unique(seg)]
+    assert len(docs) > 1
+    alone_rows = np.stack([np.roll(np.asarray(batch["inputs"][row]), -idx[0]) for idx in docs])
+    alone = jax.jit(model)(jnp.asarray(alone_rows))  # document first, then anything
+    for n, idx in enumerate(docs):
+        np.testing.assert_allclose(packed[row, idx], alone[n, : len(idx)], rtol=1e-5,
+                                   atol=1e-5, err_msg=f"document {n}")
+
+
+def grads_of(config, batch, num_devices):
+    setup = build_setup(config, jax.devices()[:num_devices])
+    state = init_state(setup, config.train.seed)
+    batch = {k: jax.device_put(v, setup.batch_sharding) for k, v in batch.items()}
+    fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(setup, p, b)),
+                 in_shardings=(setup.state_shardings.params, setup.batch_sharding),
+                 out_shardings=(None, setup.state_shardings.params))
+    loss, grads = fn(state.params, batch)
+    return float(loss), {".".join(map(str, p)): np.asarray(v.get_value())
+                         for p, v in nnx.to_flat_state(grads)}
+
+
+def test_chunked_on_mesh_matches_textbook_on_one_device():
+    """data=2,fsdp=2,tensor=2 (explicit FSDP gathers and Megatron TP: the kernel runs in
+    shard_map on local heads) with the chunked kernel, blocks of 8 in T=32, GQA and a
+    packed batch, against one device with the textbook kernel: loss and every gradient
+    within the suites' 1e-5."""
+    batch = packed_batch(seed=1)
+    ref_cfg = tiny_config(MeshConfig(data=1), num_kv_heads=2)
+    mesh_cfg = dataclasses.replace(tiny_config(MeshConfig(data=2, fsdp=2, tensor=2),
+                                               num_kv_heads=2),
+                                   attention=AttentionConfig(kernel="chunked", chunk=8))
+    ref_loss, ref_grads = grads_of(ref_cfg, batch, 1)
+    loss, grads = grads_of(mesh_cfg, batch, 8)
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
+    errors = {path: relative_error(grads[path], ref_grads[path]) for path in ref_grads}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOL, f"{worst}: relative error {errors[worst]:.2e}"
+
+
+def test_train_step_takes_packed_batches():
+    """make_train_step's batch sharding covers segment_ids/positions; two steps train."""
+    config = tiny_config(MeshConfig(data=8), steps=2)
+    setup = build_setup(config, jax.devices())
+    state, step = init_state(setup, 0), make_train_step(setup)
+    batch = {k: jax.device_put(v, setup.batch_sharding) for k, v in packed_batch().items()}
+    losses = []
+    for _ in range(2):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert np.isfinite(losses).all() and losses[1] < losses[0]
+
+
+def test_context_parallel_refuses_document_masks():
+    config = dataclasses.replace(tiny_config(MeshConfig(data=2, sequence=4)),
+                                 attention=AttentionConfig(context_parallel="ring"))
+    setup = build_setup(config, jax.devices())
+    params = jax.eval_shape(lambda: init_state(setup, 0)).params
+    with pytest.raises(ConfigError, match="context_parallel=ring: document masks"):
+        jax.eval_shape(lambda p, b: loss_fn(setup, p, b), params, packed_batch())
+
+
+def test_gpu_flags_never_applied_on_cpu():
+    env = {"JAX_PLATFORMS": "cpu"}
+    assert accelerator.gpu_flags_to_apply(env) == []
+    assert accelerator.apply_gpu_flags(env) == []
+    assert "XLA_FLAGS" not in env
+    # on a GPU the user's own setting of a flag wins; the others are added
+    gpu = {"JAX_PLATFORMS": "cuda", "XLA_FLAGS": "--xla_gpu_enable_latency_hiding_scheduler=false"}
+    added = accelerator.apply_gpu_flags(gpu)
+    assert added and all(f in gpu["XLA_FLAGS"] for f in added)
+    assert "--xla_gpu_enable_latency_hiding_scheduler=false" in gpu["XLA_FLAGS"]
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" not in gpu["XLA_FLAGS"]
+
+
+def test_gpu_flags_are_known_to_this_xla():
+    """XLA aborts on an unknown flag in XLA_FLAGS; the GPU flags parse (on CPU too)."""
+    env = {"JAX_PLATFORMS": "cuda"}
+    accelerator.apply_gpu_flags(env)
+    run = subprocess.run([sys.executable, "-c", "import jax.numpy as j; print(j.ones(2).sum())"],
+                         env={**os.environ, "JAX_PLATFORMS": "cpu",
+                              "XLA_FLAGS": env["XLA_FLAGS"]},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
