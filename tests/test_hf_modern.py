@@ -13,6 +13,8 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from shardlib import data as data_lib  # noqa: E402
+from shardlib.cli import main  # noqa: E402
 from shardlib.config import MeshConfig  # noqa: E402
 from shardlib.errors import ConfigError  # noqa: E402
 from shardlib.interop import hf  # noqa: E402
@@ -115,3 +117,18 @@ def test_other_rope_types_are_refused_by_name(saved, rope_type, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=f"rope_type='{rope_type}'"):
         hf.load_config(tmp_path)
+
+
+def test_generate_command_prints_transformers_greedy_text(saved, capsys):
+    """`shardlib generate --init-from` (KV cache, fsdp=4,tensor=2) prints the same greedy
+    continuation as transformers' generate; no tokenizer.json here, so bytes."""
+    path, _ = saved["llama3"]
+    prompt = "hello"
+    ids = torch.tensor([list(prompt.encode())], dtype=torch.long)
+    with torch.no_grad():
+        theirs = tiny_modern("llama3").generate(ids, max_new_tokens=8, do_sample=False,
+                                                 attention_mask=torch.ones_like(ids))
+    assert main(["generate", "--init-from", str(path), "--prompt", prompt,
+                 "--max-new-tokens", "8", "--mesh", "fsdp=4,tensor=2"]) == 0
+    expected = data_lib.decode(theirs[0, ids.shape[1]:].numpy())
+    assert capsys.readouterr().out == expected + "\n"
