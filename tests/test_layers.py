@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent / "shardlib"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("floor", ("errors", "config", "mesh", "hooks", "sharding", "precision", "units")),
-    ("primitives", ("collectives", "reshard", "distributed", "launch")),
+    ("primitives", ("collectives", "reshard", "distributed", "launch", "accelerator")),
     ("models", ("models",)),
     ("parallel", ("parallel",)),
     ("train", ("train",)),

@@ -188,9 +188,13 @@ def setup_devices(count: int | None, processes: int = 1):
 
     With several processes ``count`` is global: each simulates its share (or
     ``JAX_NUM_CPU_DEVICES``, as the launcher sets) and all devices are used by default."""
+    from shardlib.accelerator import apply_xla_flags, describe
     from shardlib.distributed import cpu_devices_per_process
     from shardlib.mesh import has_accelerator, select_devices, simulate_cpu_devices
 
+    added = apply_xla_flags()  # GPU only, before JAX starts; printed when any is set
+    if added:
+        print(describe(added), file=sys.stderr, flush=True)
     if processes > 1:
         simulate_cpu_devices(cpu_devices_per_process(count, processes, DEFAULT_CPU_DEVICES))
         return select_devices(count)
