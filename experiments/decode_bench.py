@@ -30,9 +30,9 @@ from shardlib.train.generate import generate, generate_cached  # noqa: E402
 from shardlib.train.state import build_setup, init_state  # noqa: E402
 
 
-def timed(fn) -> float:
+def timed(fn, n: int) -> float:
     start = time.perf_counter()
-    fn()
+    fn(n)
     return time.perf_counter() - start
 
 
@@ -55,7 +55,7 @@ def main() -> None:
     cached = lambda n: generate_cached(setup, params, [list(prompt)], n)  # noqa: E731
     rates = {}
     for name, run in (("window (no cache)", window), ("kv cache", cached)):
-        t_short, t_long = timed(lambda: run(args.short)), timed(lambda: run(long))
+        t_short, t_long = timed(run, args.short), timed(run, long)
         rates[name] = (long - args.short) / (t_long - t_short)
         print(f"{name:18s} {rates[name]:8.1f} tokens/s", flush=True)
     ratio = rates["kv cache"] / rates["window (no cache)"]

@@ -1,6 +1,6 @@
-"""Hugging Face GPT-2, Llama (1-3.x) and Qwen2/2.5 layouts: config.json <-> ModelConfig, and every HF tensor
-<-> shardlib parameter, as pure functions of the config (no I/O; ``models.hf`` reads and
-writes the files).
+"""Hugging Face GPT-2, Llama (1-3.x) and Qwen2/2.5 layouts: config.json <-> ModelConfig,
+and every HF tensor <-> shardlib parameter, as pure functions of the config (no I/O;
+``interop.hf`` reads and writes the files).
 
 A ``Link`` ties one group of HF tensors to one group of shardlib parameters and converts
 between them both ways. Layouts that differ:
