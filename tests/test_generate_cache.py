@@ -36,14 +36,23 @@ def one_device_model(**changes) -> GPT:
 def test_cached_logits_equal_the_full_forward(changes):
     """Prefill 8 tokens, then 4 one-token steps: every logit equals model(all 12)."""
     model = one_device_model(**changes)
-    full_btv = np.asarray(nnx.jit(lambda m, x: m(x))(model, jnp.asarray(TOKENS)))
-    cache = init_cache(model, 2, 16)
-    step = nnx.jit(forward_cached)
-    logits, cache = step(model, TOKENS[:, :8], jnp.broadcast_to(jnp.arange(8), (2, 8)), cache)
-    np.testing.assert_allclose(np.asarray(logits), full_btv[:, :8], rtol=0, atol=LOGIT_TOL)
-    for t in range(8, 12):
-        logits, cache = step(model, TOKENS[:, t:t + 1], jnp.full((2, 1), t), cache)
-        np.testing.assert_allclose(np.asarray(logits[:, 0]), full_btv[:, t], rtol=0, atol=LOGIT_TOL)
+
+    @nnx.jit  # one compile: the full forward, the prefill and the steps
+    def run(model: GPT, tokens_bt: jax.Array):
+        cache = init_cache(model, 2, 16)
+        prefill_btv, cache = forward_cached(
+            model, tokens_bt[:, :8], jnp.broadcast_to(jnp.arange(8), (2, 8)), cache)
+        steps = []
+        for t in range(8, 12):
+            logits_b1v, cache = forward_cached(model, tokens_bt[:, t:t + 1],
+                                               jnp.full((2, 1), t), cache)
+            steps.append(logits_b1v)
+        return model(tokens_bt), jnp.concatenate([prefill_btv, *steps], axis=1)
+
+    full_btv, cached_btv = run(model, jnp.asarray(TOKENS))
+    assert np.abs(np.asarray(full_btv)).max() > 1  # logits O(1-10): the tolerance means it
+    np.testing.assert_allclose(np.asarray(cached_btv), np.asarray(full_btv), rtol=0,
+                               atol=LOGIT_TOL)
 
 
 def greedy_reference(model: GPT, prompt: np.ndarray, n: int) -> list[int]:
@@ -82,26 +91,28 @@ def test_greedy_tokens_equal_the_window_path_on_a_mesh(sharded):
 
 
 def test_sampling_filters():
-    sample_jit = jax.jit(sample, static_argnames=("temperature", "top_k", "top_p"))
     logits = jax.random.normal(jax.random.key(0), (64, 50)) * 3
-    greedy = sample_jit(logits, jax.random.key(1))
-    np.testing.assert_array_equal(
-        sample_jit(logits, jax.random.key(1), temperature=1.0, top_k=1), greedy)
-    np.testing.assert_array_equal(
-        sample_jit(logits, jax.random.key(1), temperature=1.0, top_p=1e-6), greedy)
-    draws = jax.jit(jax.vmap(lambda k: sample(logits, k, temperature=2.0, top_k=3)))(
-        jax.random.split(jax.random.key(2), 20))  # (20, 64)
+    draw = lambda key, **kw: jax.vmap(lambda k: sample(logits, k, **kw))(
+        jax.random.split(key, 20))  # (20 draws, 64 rows)
+
+    @jax.jit  # one compile for every filter
+    def run(key):
+        return (sample(logits, key), sample(logits, key, temperature=1.0, top_k=1),
+                sample(logits, key, temperature=1.0, top_p=1e-6),
+                draw(key, temperature=2.0, top_k=3), draw(key, temperature=2.0, top_p=0.5))
+
+    greedy, top1, tiny_p, top3_draws, nucleus = (np.asarray(a) for a in run(jax.random.key(1)))
+    np.testing.assert_array_equal(top1, greedy)
+    np.testing.assert_array_equal(tiny_p, greedy)
     top3 = np.asarray(jax.lax.top_k(logits, 3)[1])
-    assert all(set(np.asarray(draws[:, r])) <= set(top3[r]) for r in range(64))
-    assert len(set(np.asarray(draws).ravel())) > 3  # really sampled, not argmax
+    assert all(set(top3_draws[:, r]) <= set(top3[r]) for r in range(64))
+    assert len(set(top3_draws.ravel())) > 3  # really sampled, not argmax
     # top_p=0.5 keeps the smallest set of best tokens with at least half the mass
     probs = np.asarray(jax.nn.softmax(logits / 2.0))
-    nucleus = jax.jit(jax.vmap(lambda k: sample(logits, k, temperature=2.0, top_p=0.5)))(
-        jax.random.split(jax.random.key(3), 20))
     for r in range(64):
         order = np.argsort(-probs[r])
         kept = order[: np.searchsorted(np.cumsum(probs[r][order]), 0.5) + 1]
-        assert set(np.asarray(nucleus[:, r])) <= set(kept)
+        assert set(nucleus[:, r]) <= set(kept)
 
 
 def test_moe_models_are_refused():
