@@ -71,6 +71,13 @@ class ModelConfig:
     activation: str = "gelu_tanh"  # MLP activation: gelu_tanh (GPT-2), gelu, silu, relu
     bias: bool = False  # biases in every projection and LayerNorm (GPT-2)
     num_kv_heads: int = 0  # grouped-query attention: K/V heads (0 = num_heads, i.e. MHA)
+    qkv_bias: bool = False  # biases on q/k/v only (Qwen2); model.bias covers every projection
+    # RoPE frequency scaling (Llama 3.x "rope_type": "llama3"); "" = none
+    rope_scaling: str = ""
+    rope_factor: float = 1.0  # llama3: long wavelengths divided by this
+    rope_low_freq_factor: float = 1.0  # wavelengths above original / low are slowed
+    rope_high_freq_factor: float = 4.0  # wavelengths below original / high are kept
+    rope_original_max_len: int = 8192  # llama3's original_max_position_embeddings
 
     @property
     def head_dim(self) -> int:

@@ -75,6 +75,24 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:
                         help="the train command and its flags")
 
 
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    """``generate``: KV-cache decoding from an HF directory or a checkpoint."""
+    gen = sub.add_parser("generate", help="continue a prompt with the KV cache and print it")
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--init-from", metavar="HF_DIR", help="a Hugging Face "
+                        "save_pretrained directory (GPT-2, Llama 1-3.x, Qwen2)")
+    source.add_argument("--checkpoint-dir", help="a `train --checkpoint-dir` (newest step)")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the best K (0: all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: all)")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--mesh", default="", help="axis degrees, e.g. fsdp=4,tensor=2 "
+                     "(default: data=-1)")
+    gen.add_argument("--devices", type=int, help="simulate N CPU devices")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardlib", description="Sharded training in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -122,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
                         help="safetensors: shardlib's names (default); hf: a Hugging Face "
                         "GPT-2/Llama save_pretrained directory that transformers loads")
+    add_generate_parser(sub)
     return parser
 
 
@@ -295,9 +314,15 @@ def run_tokenizer(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def run_generate(args: argparse.Namespace) -> int:
+    from shardlib.cli.generate import run_generate as generate
+
+    return generate(args, setup_devices(args.devices))
+
+
 COMMANDS = {"train": run_train, "inspect": run_inspect, "export": run_export,
             "launch": run_launch, "plan": run_plan, "data": run_data,
-            "tokenizer": run_tokenizer}
+            "tokenizer": run_tokenizer, "generate": run_generate}
 
 
 def _format_warning(message, category, filename, lineno, line=None) -> str:

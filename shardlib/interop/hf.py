@@ -48,7 +48,8 @@ _CODES = {np.dtype(v).name: k for k, v in _DTYPES.items()}
 # positions, where it is the position table's size).
 _ARCH_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "kv_heads", "d_ff",
                 "pos_embedding", "norm", "norm_eps", "mlp", "activation", "bias",
-                "tie_embeddings", "rope_theta")
+                "tie_embeddings", "rope_theta", "qkv_bias", "rope_scaling", "rope_factor",
+                "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
 
 
 # --- reading ---------------------------------------------------------------------------

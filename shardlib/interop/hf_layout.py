@@ -1,6 +1,6 @@
-"""Hugging Face GPT-2 and Llama layouts: config.json <-> ModelConfig, and every HF tensor
-<-> shardlib parameter, as pure functions of the config (no I/O; ``models.hf`` reads and
-writes the files).
+"""Hugging Face GPT-2, Llama (1-3.x) and Qwen2/2.5 layouts: config.json <-> ModelConfig,
+and every HF tensor <-> shardlib parameter, as pure functions of the config (no I/O;
+``interop.hf`` reads and writes the files).
 
 A ``Link`` ties one group of HF tensors to one group of shardlib parameters and converts
 between them both ways. Layouts that differ:
@@ -9,6 +9,8 @@ between them both ways. Layouts that differ:
   torch ``Linear`` weights (Llama) are (out, in): transpose, then split the heads.
   RoPE: HF Llama rotates (first half, second half) of each head (``rotate_half``), as
   shardlib's ``apply_rope`` does, so q/k rows need no permutation.
+  Llama 3.x: ``rope_type: llama3`` frequency scaling (``model.rope_scaling``); Qwen2 is
+  Llama with biases on q/k/v only (``model.qkv_bias``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import numpy as np
 from shardlib.config import ModelConfig
 from shardlib.errors import ConfigError
 
-SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+             "qwen2": "Qwen2ForCausalLM"}
+_ROPE_TYPES = ("default", "llama3")  # rope_type values shardlib computes
 _FROM_HF_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
              "gelu": "gelu", "relu": "relu", "silu": "silu", "swish": "silu"}
 _HF_ACT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
@@ -31,7 +35,7 @@ Arrays = list[np.ndarray]
 
 
 def architecture(hf: dict[str, Any], where: str = "config.json") -> str:
-    """'gpt2' or 'llama' from a config.json dict, or a ConfigError naming what it is."""
+    """'gpt2', 'llama' or 'qwen2' from a config.json dict, or a ConfigError naming what it is."""
     kind = hf.get("model_type", "")
     if kind in SUPPORTED:
         return kind
@@ -41,7 +45,7 @@ def architecture(hf: dict[str, Any], where: str = "config.json") -> str:
 
 
 def to_model_config(hf: dict[str, Any], where: str = "config.json") -> ModelConfig:
-    """The ModelConfig of a GPT-2 or Llama config.json (transformers 4 or 5 format)."""
+    """The ModelConfig of a GPT-2, Llama or Qwen2 config.json (transformers 4 or 5)."""
     if architecture(hf, where) == "gpt2":
         return _gpt2_config(hf, where)
     return _llama_config(hf, where)
@@ -69,13 +73,29 @@ def _gpt2_config(hf: dict[str, Any], where: str) -> ModelConfig:
         norm_eps=hf.get("layer_norm_epsilon", 1e-5), activation=_FROM_HF_ACT[act], bias=True)
 
 
-def _llama_config(hf: dict[str, Any], where: str) -> ModelConfig:
+def _rope_fields(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """ModelConfig's rope_* fields from ``rope_parameters`` (v5) or ``rope_scaling`` (v4)."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise _unsupported(where, "rope_type", rope_type, "default")
-    bias = hf.get("attention_bias", False)
-    if hf.get("mlp_bias", False) != bias:
+    if rope_type not in _ROPE_TYPES:
+        raise ConfigError(f"{where}: rope_type={rope_type!r} is not supported; shardlib "
+                          f"computes {', '.join(_ROPE_TYPES)} (RoPE scaling {rope_type!r} "
+                          "would change every logit, so it is refused, not ignored)")
+    fields = {"rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if rope_type == "llama3":
+        fields.update(rope_scaling="llama3", rope_factor=float(rope["factor"]),
+                      rope_low_freq_factor=float(rope["low_freq_factor"]),
+                      rope_high_freq_factor=float(rope["high_freq_factor"]),
+                      rope_original_max_len=int(rope["original_max_position_embeddings"]))
+    return fields
+
+
+def _llama_config(hf: dict[str, Any], where: str) -> ModelConfig:
+    qwen2 = hf.get("model_type") == "qwen2"
+    if qwen2 and hf.get("use_sliding_window", False):
+        raise _unsupported(where, "use_sliding_window", True, False)
+    bias = hf.get("attention_bias", False) and not qwen2  # Qwen2: q/k/v biases only
+    if not qwen2 and hf.get("mlp_bias", False) != bias:
         raise ConfigError(f"{where}: attention_bias={bias} but mlp_bias={hf['mlp_bias']}; "
                           "shardlib's model.bias covers both, so they must agree")
     d_model, heads = hf["hidden_size"], hf["num_attention_heads"]
@@ -85,19 +105,20 @@ def _llama_config(hf: dict[str, Any], where: str) -> ModelConfig:
     if _FROM_HF_ACT.get(act) is None:
         raise _unsupported(where, "hidden_act", act, sorted(_FROM_HF_ACT))
     return ModelConfig(
-        name="hf-llama", vocab_size=hf["vocab_size"], d_model=d_model,
+        name="hf-qwen2" if qwen2 else "hf-llama", vocab_size=hf["vocab_size"], d_model=d_model,
         num_layers=hf["num_hidden_layers"], num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads, d_ff=hf["intermediate_size"],
         max_seq_len=hf.get("max_position_embeddings", 2048), pos_embedding="rope",
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        tie_embeddings=hf.get("tie_word_embeddings", False),
+        tie_embeddings=hf.get("tie_word_embeddings", False), qkv_bias=qwen2,
+        **_rope_fields(hf, where),
         init_std=hf.get("initializer_range", 0.02), norm="rms",
         norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="gated", activation=_FROM_HF_ACT[act],
         bias=bias)
 
 
 def family(cfg: ModelConfig) -> str:
-    """'gpt2' or 'llama': the HF architecture this ModelConfig is, or a ConfigError."""
+    """'gpt2', 'llama' or 'qwen2': the HF architecture this ModelConfig is, or a
+    ConfigError (Qwen2 = Llama with q/k/v biases only)."""
     gpt2 = (cfg.pos_embedding, cfg.norm, cfg.mlp, cfg.bias, cfg.kv_heads) == (
         "learned", "layer", "plain", True, cfg.num_heads)
     llama = (cfg.pos_embedding, cfg.norm, cfg.mlp) == ("rope", "rms", "gated")
@@ -107,7 +128,9 @@ def family(cfg: ModelConfig) -> str:
             f"mlp={cfg.mlp}, bias={cfg.bias}, num_kv_heads={cfg.num_kv_heads}, num_experts="
             f"{cfg.num_experts}) is neither GPT-2 (learned, layer, plain, bias=true, MHA) nor "
             "Llama (rope, rms, gated); only those two have a Hugging Face layout")
-    return "gpt2" if gpt2 else "llama"
+    if gpt2:
+        return "gpt2"
+    return "qwen2" if cfg.qkv_bias and not cfg.bias else "llama"
 
 
 def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
@@ -128,7 +151,17 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
             "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
             "hidden_act": _HF_ACT[cfg.activation], "attention_bias": cfg.bias,
             "mlp_bias": cfg.bias, "rope_theta": cfg.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}}
+            "rope_parameters": _rope_parameters(cfg)}
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    """config.json's ``rope_parameters`` (transformers 5; v4 reads ``rope_scaling``)."""
+    if cfg.rope_scaling != "llama3":
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_len}
 
 
 # --- tensors ---------------------------------------------------------------------------
@@ -222,11 +255,12 @@ def _llama_links(cfg: ModelConfig, p: str) -> list[Link]:
         _transposed(f"{mlp}up_proj.weight", (f, d), "mlp.w_in_df"),
         _transposed(f"{mlp}down_proj.weight", (d, f), "mlp.w_out_fd"),
     ]
-    if cfg.bias:
+    if cfg.bias or cfg.qkv_bias:
         table += [_reshaped(f"{at}q_proj.bias", (h * k,), "attn.b_q_hk", (h, k)),
                   _reshaped(f"{at}k_proj.bias", (kv * k,), "attn.b_k_hk", (kv, k)),
-                  _reshaped(f"{at}v_proj.bias", (kv * k,), "attn.b_v_hk", (kv, k)),
-                  _same(f"{at}o_proj.bias", (d,), "attn.b_o_d"),
+                  _reshaped(f"{at}v_proj.bias", (kv * k,), "attn.b_v_hk", (kv, k))]
+    if cfg.bias:
+        table += [_same(f"{at}o_proj.bias", (d,), "attn.b_o_d"),
                   _same(f"{mlp}gate_proj.bias", (f,), "mlp.b_gate_f"),
                   _same(f"{mlp}up_proj.bias", (f,), "mlp.b_in_f"),
                   _same(f"{mlp}down_proj.bias", (d,), "mlp.b_out_d")]

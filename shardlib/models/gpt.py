@@ -15,6 +15,7 @@ from flax import nnx
 
 from shardlib import hooks
 from shardlib.config import ModelConfig
+from shardlib.errors import ConfigError
 from shardlib.models.attention import packed_documents
 from shardlib.models.layers import (
     MLP,
@@ -22,6 +23,7 @@ from shardlib.models.layers import (
     Embed,
     LayerNorm,
     RMSNorm,
+    RopeScaling,
     call_gathered,
     normal,
     param,
@@ -31,6 +33,17 @@ from shardlib.models.layers import (
 )
 from shardlib.models.moe import MoEMLP, MoEStats, num_moe_layers, run_groups
 from shardlib.sharding import constrain
+
+
+def rope_scaling(cfg: ModelConfig) -> RopeScaling | None:
+    """``cfg``'s RoPE frequency scaling as ``rope_inv_freq`` takes it (None: plain RoPE)."""
+    if cfg.rope_scaling == "":
+        return None
+    if cfg.rope_scaling != "llama3":
+        raise ConfigError(f"model.rope_scaling={cfg.rope_scaling!r}: only 'llama3' (or '' for "
+                          "none) is implemented; set model.rope_scaling=llama3 or ''")
+    return (cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+            cfg.rope_original_max_len)
 
 
 def make_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> RMSNorm | LayerNorm:
@@ -50,7 +63,8 @@ class Block(nnx.Module):
         self.attn_norm = make_norm(cfg, rngs)
         self.attn = Attention(cfg.d_model, cfg.num_heads, std=cfg.init_std, out_std=out_std,
                               rope_theta=rope, rngs=rngs, num_kv_heads=cfg.kv_heads,
-                              bias=cfg.bias)
+                              bias=cfg.bias, qkv_bias=cfg.qkv_bias,
+                              rope_scaling=rope_scaling(cfg))
         self.mlp_norm = make_norm(cfg, rngs)
         if moe:
             self.mlp = MoEMLP(cfg, std=cfg.init_std, out_std=out_std, rngs=rngs)

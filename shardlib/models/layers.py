@@ -88,30 +88,44 @@ class LayerNorm(nnx.Module):
         return y_btd.astype(x_btd.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables, each (seq, head_dim // 2)."""
-    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles_tk = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angles_tk), jnp.sin(angles_tk)
+RopeScaling = tuple[float, float, float, int]  # llama3: factor, low, high, original length
 
 
-def rope_tables_at(positions_bt: jax.Array, head_dim: int,
-                   theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables at given positions (packed documents restart at 0), each
-    (B, T, head_dim // 2)."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None
+                  ) -> jax.Array:
+    """Rotation frequency per pair, (head_dim // 2,); ``scaling`` is Llama 3's: wavelengths
+    longer than original/low are slowed by ``factor``, shorter than original/high kept,
+    and the band between interpolated smoothly."""
     inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles_btk = positions_bt.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(angles_btk), jnp.sin(angles_btk)
+    if scaling is None:
+        return inv_freq
+    factor, low, high, original = scaling
+    wavelen = 2 * jnp.pi / inv_freq
+    slowed = jnp.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * slowed / factor + smooth * slowed
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return jnp.where(medium, blended, slowed)
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float,
+                scaling: RopeScaling | None = None, *,
+                positions: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables for positions 0..seq-1, each (seq, head_dim // 2), or for
+    ``positions`` of any shape P (decoding: per-row positions), each (*P, head_dim // 2)."""
+    if positions is None:
+        positions = jnp.arange(seq_len)
+    angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(head_dim, theta, scaling)
+    return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x_bthk: jax.Array, cos_tk: jax.Array, sin_tk: jax.Array) -> jax.Array:
-    """Rotate pairs (first half, second half) of each head by position; the tables are
-    (T, K/2) (``rope_tables``) or per row (B, T, K/2) (``rope_tables_at``)."""
+    """Rotate pairs (first half, second half) of each head by position; tables (T, K/2)
+    shared by the batch, or (B, T, K/2) per row."""
     x1, x2 = jnp.split(x_bthk.astype(jnp.float32), 2, axis=-1)
-    if cos_tk.ndim == 3:
-        cos, sin = cos_tk[:, :, None, :], sin_tk[:, :, None, :]
-    else:
-        cos, sin = cos_tk[None, :, None, :], sin_tk[None, :, None, :]
+    if cos_tk.ndim == 2:
+        cos_tk, sin_tk = cos_tk[None], sin_tk[None]
+    cos, sin = cos_tk[:, :, None, :], sin_tk[:, :, None, :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_bthk.dtype)
 
@@ -121,7 +135,8 @@ class Attention(nnx.Module):
 
     def __init__(self, d_model: int, num_heads: int, *, std: float, out_std: float,
                  rope_theta: float | None, rngs: nnx.Rngs, num_kv_heads: int = 0,
-                 bias: bool = False):
+                 bias: bool = False, qkv_bias: bool = False,
+                 rope_scaling: RopeScaling | None = None):
         head_dim = d_model // num_heads
         dhk = (d_model, num_heads, head_dim)
         kv_dhk = (d_model, num_kv_heads or num_heads, head_dim)  # GQA: fewer K/V heads
@@ -130,13 +145,15 @@ class Attention(nnx.Module):
         self.w_v_dhk = param(rngs, normal(std), kv_dhk, ("embed", "heads", "head_dim"))
         self.w_o_hkd = param(rngs, normal(out_std), (num_heads, head_dim, d_model),
                              ("heads", "head_dim", "embed"))
-        if bias:  # GPT-2: every projection has a bias
-            zeros = jax.nn.initializers.zeros
+        zeros = jax.nn.initializers.zeros
+        if bias or qkv_bias:  # GPT-2: every projection has a bias; Qwen2: q, k, v only
             self.b_q_hk = param(rngs, zeros, dhk[1:], ("heads", "head_dim"))
             self.b_k_hk = param(rngs, zeros, kv_dhk[1:], ("heads", "head_dim"))
             self.b_v_hk = param(rngs, zeros, kv_dhk[1:], ("heads", "head_dim"))
+        if bias:
             self.b_o_d = param(rngs, zeros, (d_model,), ("embed",))
-        self.rope_theta, self.use_bias = rope_theta, bias
+        self.rope_theta, self.use_bias, self.qkv_bias = rope_theta, bias, bias or qkv_bias
+        self.rope_scaling = rope_scaling
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         heads = ("act_batch", "act_seq", "act_heads", "act_head_dim")
@@ -144,10 +161,8 @@ class Attention(nnx.Module):
         q_bthk, k_bthk, v_bthk = (constrain(a, heads) for a in self.project_qkv(x_btd))
         docs = attention.documents()  # a packed batch's segment ids and positions, if any
         if self.rope_theta is not None:
-            if docs.positions is None:
-                cos, sin = rope_tables(x_btd.shape[1], q_bthk.shape[-1], self.rope_theta)
-            else:
-                cos, sin = rope_tables_at(docs.positions, q_bthk.shape[-1], self.rope_theta)
+            cos, sin = rope_tables(x_btd.shape[1], q_bthk.shape[-1], self.rope_theta,
+                                   self.rope_scaling, positions=docs.positions)
             q_bthk, k_bthk = apply_rope(q_bthk, cos, sin), apply_rope(k_bthk, cos, sin)
         groups = q_bthk.shape[2] // k_bthk.shape[2]
         if groups > 1:  # GQA: query head h reads K/V head h // groups (local under TP)
@@ -176,7 +191,7 @@ class Attention(nnx.Module):
             q_bthk = linear("btd,dhk->bthk", x_btd, self.w_q_dhk[...])
             w_cdhk = hooks.gathered(jnp.stack([self.w_k_dhk[...], self.w_v_dhk[...]]))
             k_bthk, v_bthk = linear("btd,cdhk->cbthk", x_btd, w_cdhk)  # 2 x (B,T,KV,K)
-        if self.use_bias:
+        if self.qkv_bias:
             q_bthk, k_bthk, v_bthk = (q_bthk + self.b_q_hk[...], k_bthk + self.b_k_hk[...],
                                       v_bthk + self.b_v_hk[...])
         return q_bthk, k_bthk, v_bthk

@@ -1,8 +1,10 @@
 """Sampling from a trained model, sharded like training.
 
-A sliding window of ``seq_len`` tokens runs through the model once per new token (no KV
-cache: simple, and the same compiled shapes and shardings as the train step). One row
-per batch shard, so every device works on its own sample.
+``generate``: a sliding window of ``seq_len`` tokens runs through the model once per new
+token (no KV cache: the same compiled shapes and shardings as the train step; the
+reference). One row per batch shard, so every device works on its own sample.
+``generate_cached``: prefill + one-token steps over a KV cache (``models.decode``), a
+batch of prompts of different lengths, cache sharded like the activations.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardlib.models.decode import decode, init_cache
 from shardlib.sharding import activation_rules
 from shardlib.train.state import TrainSetup
 
@@ -62,6 +65,45 @@ def generate(setup: TrainSetup, params: nnx.State, prompt: np.ndarray, num_token
     buf = jax.device_put(buf_bt, setup.batch_sharding)
     new_bn = np.asarray(run(params, buf, jax.random.key(seed)))
     return np.concatenate([np.broadcast_to(prompt, (rows, len(prompt))), new_bn], axis=1)
+
+
+def generate_cached(setup: TrainSetup, params: nnx.State, prompts: list[list[int]],
+                    max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+                    top_p: float = 1.0, stop_tokens: tuple[int, ...] = (),
+                    seed: int = 0) -> list[list[int]]:
+    """Continue each prompt by up to ``max_new_tokens`` (fewer after a stop token, which
+    is kept) with the KV cache; rows are padded up to a multiple of the batch shards."""
+    rows = len(prompts)
+    shards = _shards(setup, dim=0)
+    batch = -(-rows // shards) * shards
+    width = max(len(p) for p in prompts)
+    prompts_bp = np.zeros((batch, width), np.int32)
+    lengths_b = np.ones((batch,), np.int32)
+    for i, prompt in enumerate(prompts):
+        prompts_bp[i, : len(prompt)], lengths_b[i] = prompt, len(prompt)
+    model_dtype = jax.tree.leaves(params)[0].dtype
+
+    @partial(jax.jit, out_shardings=NamedSharding(setup.mesh, PartitionSpec()))
+    def run(params: nnx.State, prompts_bp: jax.Array, lengths_b: jax.Array, key: jax.Array):
+        with activation_rules(setup.mesh, setup.rules):
+            model = nnx.merge(setup.graphdef, params)
+            cache = init_cache(model, batch, width + max_new_tokens, model_dtype)
+            return decode(model, prompts_bp, lengths_b, cache, key,
+                          max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_k=top_k, top_p=top_p, stop_tokens=stop_tokens)
+
+    place = lambda x: jax.device_put(x, NamedSharding(setup.mesh, PartitionSpec(
+        *setup.batch_sharding.spec[:1])))
+    new_bn = np.asarray(run(params, place(prompts_bp), place(lengths_b), jax.random.key(seed)))
+    return [_until_stop([int(t) for t in new_bn[i]], stop_tokens) for i in range(rows)]
+
+
+def _until_stop(tokens: list[int], stop_tokens: tuple[int, ...]) -> list[int]:
+    """``tokens`` up to and including the first stop token."""
+    for i, token in enumerate(tokens):
+        if token in stop_tokens:
+            return tokens[: i + 1]
+    return tokens
 
 
 def _shards(setup: TrainSetup, dim: int) -> int:

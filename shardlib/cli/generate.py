@@ -1,0 +1,81 @@
+"""``shardlib generate``: continue a prompt with the KV cache, print the text.
+
+The model comes from a Hugging Face directory (``--init-from``, decoded with its
+``tokenizer.json`` when there is one) or a training checkpoint (``--checkpoint-dir``,
+byte-level text as training uses). Temperature 0 is greedy decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import jax
+from tokenizers import Tokenizer
+
+from shardlib import data as data_lib
+from shardlib.checkpoint import Checkpointer
+from shardlib.config import Config, MeshConfig, ModelConfig, TrainConfig, parse_mesh
+from shardlib.errors import ShardlibError
+from shardlib.export import good_step
+from shardlib.interop.hf import load_config, load_params
+from shardlib.train.generate import generate_cached
+from shardlib.train.state import build_setup
+
+
+class _Text:
+    """Text <-> token ids: the HF directory's tokenizer.json, else bytes."""
+
+    def __init__(self, directory: str | None):
+        path = Path(directory or "") / "tokenizer.json"
+        self.tokenizer = Tokenizer.from_file(str(path)) if directory and path.is_file() else None
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            return [int(t) for t in data_lib.encode(text)]
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return data_lib.decode(ids)
+        return self.tokenizer.decode(ids)
+
+
+def _model_config(args: argparse.Namespace) -> tuple[ModelConfig, int | None]:
+    if args.init_from:
+        return load_config(args.init_from), None
+    checkpointer = Checkpointer(args.checkpoint_dir, read_only=True)
+    step = good_step(checkpointer, None)
+    saved = checkpointer.saved_config(step).get("model", {})
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in saved.items() if k in known}), step
+
+
+def run_generate(args: argparse.Namespace, devices: list[jax.Device]) -> int:
+    """Load, prefill, decode; print the continuation (the prompt is not repeated)."""
+    if args.max_new_tokens < 1:
+        raise ShardlibError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    text = _Text(args.init_from)
+    prompt = text.encode(args.prompt)
+    model, step = _model_config(args)
+    if not prompt:
+        raise ShardlibError("--prompt: encodes to no tokens; give some text")
+    if model.pos_embedding == "learned" and len(prompt) + args.max_new_tokens > model.max_seq_len:
+        raise ShardlibError(f"--max-new-tokens {args.max_new_tokens}: prompt ({len(prompt)}) + "
+                            f"new tokens exceed model.max_seq_len={model.max_seq_len}")
+    mesh = parse_mesh(args.mesh) if args.mesh else MeshConfig()
+    config = Config(mesh=mesh, model=model, train=TrainConfig(
+        batch_size=len(devices), seq_len=min(model.max_seq_len, 64), data="synthetic",
+        eval_every=0, sample_tokens=0))
+    setup = build_setup(config, devices)
+    if args.init_from:
+        params = load_params(args.init_from, model, setup.abstract_params,
+                             setup.state_shardings.params)
+    else:
+        params = Checkpointer(args.checkpoint_dir, read_only=True).restore(setup, step).params
+    new = generate_cached(setup, params, [prompt], args.max_new_tokens,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          seed=args.seed)[0]
+    print(text.decode(new), flush=True)
+    return 0

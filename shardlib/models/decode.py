@@ -1,0 +1,155 @@
+"""KV-cache decoding: prefill the prompts once, then one token per step.
+
+The cache holds every layer's keys and values, (L, B, S, KV, K): grouped-query aware (KV
+heads, not H), laid out like the activations (batch over data/fsdp, heads over tensor,
+``constrain`` with the active rules). Each row has its own positions, so a batch of
+prompts of different lengths needs no left padding: prompts are right-padded, prefilled
+at positions 0..P-1, and row b's first new token is written at position len_b, over the
+padding (a query at position p only reads keys at positions <= p, all written by then).
+
+Sampling: greedy (temperature 0), temperature, top-k, top-p; rows stop at a stop token.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardlib.errors import ConfigError
+from shardlib.models.gpt import GPT, Block
+from shardlib.models.layers import apply_rope, rope_tables
+from shardlib.sharding import constrain
+
+CACHE_DIMS = ("act_batch", "act_kv_seq", "act_heads", "act_head_dim")
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer: each (L, B, S, KV, K)."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def init_cache(model: GPT, batch: int, length: int, dtype: jnp.dtype = jnp.float32
+               ) -> KVCache:
+    """An empty cache for ``batch`` rows of up to ``length`` tokens."""
+    cfg = model.cfg
+    if cfg.num_experts:
+        raise ConfigError(f"model.num_experts={cfg.num_experts}: KV-cache decoding supports "
+                          "dense models only; use train.generate's window path for MoE")
+    shape = (cfg.num_layers, batch, length, cfg.kv_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def _write(cache_bskh: jax.Array, new_btkh: jax.Array, start_b: jax.Array) -> jax.Array:
+    """Row b's T new entries written at positions start_b .. start_b + T - 1."""
+    put = lambda c, n, s: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (s, 0, 0))
+    return constrain(jax.vmap(put)(cache_bskh, new_btkh, start_b), CACHE_DIMS)
+
+
+def cached_attention(q_bthk: jax.Array, k_bskh: jax.Array, v_bskh: jax.Array,
+                     pos_bt: jax.Array) -> jax.Array:
+    """Queries at positions ``pos_bt`` attend cache keys at positions <= theirs; GQA
+    native (query head h reads K/V head h // (H / KV)); softmax in fp32."""
+    b, t, h, k = q_bthk.shape
+    kv = k_bskh.shape[2]
+    q_btgjk = q_bthk.reshape(b, t, kv, h // kv, k)
+    scores = jnp.einsum("btgjk,bsgk->bgjts", q_btgjk, k_bskh).astype(jnp.float32) * k ** -0.5
+    keep_bts = pos_bt[:, :, None] >= jnp.arange(k_bskh.shape[1])[None, None, :]
+    scores = jnp.where(keep_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
+    return jnp.einsum("bgjts,bsgk->btgjk", probs, v_bskh).reshape(b, t, h, k)
+
+
+def block_step(block: Block, x_btd: jax.Array, pos_bt: jax.Array, k_bskh: jax.Array,
+               v_bskh: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer on new tokens at ``pos_bt``: their K/V go into the layer's cache first."""
+    attn = block.attn
+    q_bthk, k_bthk, v_bthk = attn.project_qkv(block.attn_norm(x_btd))
+    if attn.rope_theta is not None:
+        cos, sin = rope_tables(0, q_bthk.shape[-1], attn.rope_theta, attn.rope_scaling,
+                               positions=pos_bt)  # (B, T, K/2) each
+        q_bthk, k_bthk = apply_rope(q_bthk, cos, sin), apply_rope(k_bthk, cos, sin)
+    k_bskh = _write(k_bskh, k_bthk, pos_bt[:, 0])
+    v_bskh = _write(v_bskh, v_bthk, pos_bt[:, 0])
+    out_bthk = cached_attention(q_bthk, k_bskh, v_bskh, pos_bt)
+    out_btd = jnp.einsum("bthk,hkd->btd", out_bthk, attn.w_o_hkd[...])
+    if attn.use_bias:
+        out_btd = out_btd + attn.b_o_d[...]
+    x_btd = x_btd + out_btd
+    return x_btd + block.mlp(block.mlp_norm(x_btd)), k_bskh, v_bskh
+
+
+def forward_cached(model: GPT, tokens_bt: jax.Array, pos_bt: jax.Array, cache: KVCache
+                   ) -> tuple[jax.Array, KVCache]:
+    """Logits (B, T, vocab) of tokens at per-row consecutive positions ``pos_bt``, and
+    the cache with their keys and values added."""
+    x_btd = model.embed(tokens_bt)
+    if model.cfg.pos_embedding == "learned":
+        x_btd = x_btd + jnp.take(model.pos_td[...], pos_bt, axis=0)
+    if model.cfg.scan_layers:
+        graphdef, state = nnx.split(model.blocks)
+
+        def body(x, layer):
+            state_l, k_l, v_l = layer
+            x, k_l, v_l = block_step(nnx.merge(graphdef, state_l), x, pos_bt, k_l, v_l)
+            return x, (k_l, v_l)
+
+        x_btd, (k, v) = jax.lax.scan(body, x_btd, (state, cache.k, cache.v))
+    else:
+        ks, vs = [], []
+        for i, block in enumerate(model.blocks):
+            x_btd, k_l, v_l = block_step(block, x_btd, pos_bt, cache.k[i], cache.v[i])
+            ks, vs = ks + [k_l], vs + [v_l]
+        k, v = jnp.stack(ks), jnp.stack(vs)
+    return model.head(x_btd), KVCache(k, v)
+
+
+def sample(logits_bv: jax.Array, key: jax.Array, *, temperature: float = 0.0,
+           top_k: int = 0, top_p: float = 1.0) -> jax.Array:
+    """Next tokens (B,): argmax when temperature is 0, else a draw from the tempered
+    distribution restricted to the top-k tokens and the top-p probability mass."""
+    if temperature <= 0:
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    logits_bv = logits_bv.astype(jnp.float32) / temperature
+    if 0 < top_k < logits_bv.shape[-1]:
+        kth_b1 = jax.lax.top_k(logits_bv, top_k)[0][:, -1:]
+        logits_bv = jnp.where(logits_bv < kth_b1, -jnp.inf, logits_bv)
+    if top_p < 1.0:
+        sorted_bv = jnp.sort(logits_bv, axis=-1)[:, ::-1]
+        probs_bv = jax.nn.softmax(sorted_bv, axis=-1)
+        before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv  # mass of better tokens
+        kept_bv = jnp.where(before_bv < top_p, sorted_bv, jnp.inf)  # the best always kept
+        logits_bv = jnp.where(logits_bv < kept_bv.min(-1, keepdims=True), -jnp.inf, logits_bv)
+    return jax.random.categorical(key, logits_bv, axis=-1).astype(jnp.int32)
+
+
+def decode(model: GPT, prompts_bp: jax.Array, lengths_b: jax.Array, cache: KVCache,
+           key: jax.Array, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+           top_p: float = 1.0, stop_tokens: tuple[int, ...] = ()) -> jax.Array:
+    """New tokens (B, max_new_tokens) after right-padded prompts (B, P) of ``lengths_b``;
+    after a row's stop token it repeats that token. Jit it (model and arrays as args)."""
+    b, p = prompts_bp.shape
+    pos_bp = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    logits_bpv, cache = forward_cached(model, prompts_bp, pos_bp, cache)
+    last_bv = jnp.take_along_axis(logits_bpv, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
+    stops = jnp.asarray(stop_tokens or (-1,), jnp.int32)
+    pick = lambda logits, k: sample(logits, k, temperature=temperature, top_k=top_k,
+                                    top_p=top_p)
+
+    def step(i, carry):
+        out_bn, logits_bv, cache, done_b, key = carry
+        key, sub = jax.random.split(key)
+        prev_b = out_bn[:, jnp.maximum(i - 1, 0)]
+        next_b = jnp.where(done_b, prev_b, pick(logits_bv, sub))
+        done_b = done_b | jnp.isin(next_b, stops)
+        pos_b1 = (lengths_b + i)[:, None].astype(jnp.int32)
+        logits_b1v, cache = forward_cached(model, next_b[:, None], pos_b1, cache)
+        return out_bn.at[:, i].set(next_b), logits_b1v[:, 0], cache, done_b, key
+
+    out_bn = jnp.zeros((b, max_new_tokens), jnp.int32)
+    carry = (out_bn, last_bv, cache, jnp.zeros((b,), bool), key)
+    return jax.lax.fori_loop(0, max_new_tokens, step, carry)[0]
