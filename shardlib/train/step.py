@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlib import precision
-from shardlib.train import comm, diloco, pipeline
+from shardlib.train import comm, diloco, nonfinite, pipeline
 from shardlib.train.objective import (  # noqa: F401  (loss_fn, model_loss: public here too)
     Batch,
     Metrics,
@@ -108,6 +108,15 @@ def train_step(setup: TrainSetup, state: TrainState, batch: Batch) -> tuple[Trai
     return new_state, metrics
 
 
+def guarded_train_step(setup: TrainSetup, state: TrainState,
+                       batch: Batch) -> tuple[TrainState, Metrics]:
+    """``train_step`` under the ``train.on_nonfinite`` policy (``train.nonfinite``): with
+    ``skip`` a step with a NaN/inf loss or grad norm keeps the old state."""
+    new_state, metrics = train_step(setup, state, batch)
+    return nonfinite.guard_step(setup.config.train, setup.policy.loss_scaling, state,
+                                new_state, metrics), metrics
+
+
 def lr_at(setup: TrainSetup, step: jax.Array) -> jax.Array:
     return lr_schedule(setup.config.optim, setup.config.train.steps)(step)
 
@@ -119,7 +128,7 @@ def make_train_step(setup: TrainSetup, *, donate: bool = True
     checkpoint still reading it."""
     batch_sh = {"inputs": setup.batch_sharding, "targets": setup.batch_sharding}
     return jax.jit(
-        lambda state, batch: train_step(setup, state, batch),
+        lambda state, batch: guarded_train_step(setup, state, batch),
         in_shardings=(setup.state_shardings, batch_sh),
         out_shardings=(setup.state_shardings, None),
         donate_argnums=(0,) if donate else (),
