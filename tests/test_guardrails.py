@@ -30,7 +30,7 @@ import pytest
 from shardlib import data as data_lib
 from shardlib.checkpoint import Checkpointer, CheckpointWarning, leaf_path
 from shardlib.cli import NONFINITE_EXIT_STATUS, main
-from shardlib.config import CheckpointConfig, CommConfig, MeshConfig, TrainConfig
+from shardlib.config import CheckpointConfig, CommConfig, MeshConfig
 from shardlib.run import watchdog
 from shardlib.run.goodput import PROGRESS_FILE, Timeline, fractions
 from shardlib.run.loop import train
@@ -244,12 +244,12 @@ def test_stuck_step_is_reported_with_stacks(monkeypatch):
     watchdog._stall_release.clear()
     config = tiny_config(MeshConfig(), steps=4)
     config = dataclasses.replace(config, train=dataclasses.replace(
-        config.train, hang_timeout_s=1.5, log_every=1))
+        config.train, hang_timeout_s=2.5, log_every=1))
     start = time.monotonic()
     result = train(config)
     assert len(reports) == 1 and time.monotonic() - start < 60
     line = reports[0].line
-    assert re.search(r"^hang: no step finished for \d+ s \(--hang-timeout 1.5\); process 0 "
+    assert re.search(r"^hang: no step finished for \d+ s \(--hang-timeout 2.5\); process 0 "
                      r"last finished step 3 and is in phase 'step' on the host", line), line
     assert "Thread MainThread" in reports[0].stacks and "in dispatched" in reports[0].stacks
     assert result.history[-1]["step"] == 4  # released, the run went on

@@ -27,10 +27,9 @@ from shardlib.interop.hf import pretrained_state
 from shardlib.models import count_params
 from shardlib.planner import resolve_auto
 from shardlib.reporting import NullReporter, Reporter
-from shardlib.train import comm
-from shardlib.train.comm_policy import Adaptive
 from shardlib.run import goodput, watchdog
-from shardlib.train import nonfinite
+from shardlib.train import comm, nonfinite
+from shardlib.train.comm_policy import Adaptive
 from shardlib.train.generate import generate
 from shardlib.train.state import TrainSetup, TrainState, build_setup, init_state
 from shardlib.train.step import make_eval_step, make_train_step
@@ -173,6 +172,7 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
     step_fn = make_train_step(setup).lower(state, first).compile()
     compile_s = time.perf_counter() - tick
     timeline.lap("compile")
+    _ = observer.peak  # a CPU peak is timed once (seconds): before the watchdog starts
     guards.watchdog.start(int(state.step))
     observer.on_compiled(step_fn)
     adapt = _adaptive(setup, state, first, step_fn)  # comm.policy: None unless on
@@ -226,7 +226,8 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
                 with timeline.phase("compile"):
                     state, step_fn, changed = adapt.adjust(rows, result.history, state, step_fn)
                 keep_fn = (lambda: None) if changed else keep_fn  # compiled for the old one
-            _report(result, reporter, observer.annotate(rows))
+            with timeline.phase("report"):
+                _report(result, reporter, observer.annotate(rows))
             pending, tick = [], time.perf_counter()
             if halt is not None:
                 result.stopped_by = "non-finite"

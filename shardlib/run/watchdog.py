@@ -80,6 +80,8 @@ def python_stacks() -> str:
     names = {t.ident: t.name for t in threading.enumerate()}
     out = [f"--- Python stacks of process {jax.process_index()} (pid {os.getpid()}) ---\n"]
     for ident, frame in sys._current_frames().items():
+        if ident == threading.get_ident():
+            continue  # the watchdog itself
         out.append(f"Thread {names.get(ident, ident)}:\n")
         out.extend(traceback.format_stack(frame))
     return "".join(out)
