@@ -119,10 +119,10 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
     guards = Guards(timeline, dog, nonfinite.Tracker(config.train, setup.policy.loss_scaling),
                     config.checkpoint.dir, goodput.read_progress(config.checkpoint.dir)
                     if config.checkpoint.dir else 0)
-    timeline.lap("startup")
     reporter.on_start(setup, {"params": count_params(config.model)})
     started = time.perf_counter()
     observer = observe.RunObserver(setup)
+    timeline.lap("startup")
     try:
         with StopSignals(enabled=checkpointer is not None) as stop:
             state, compile_s = _run(setup, state, result, reporter, checkpointer, stop,
