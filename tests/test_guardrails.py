@@ -31,6 +31,7 @@ from shardlib import data as data_lib
 from shardlib.checkpoint import Checkpointer, CheckpointWarning, leaf_path
 from shardlib.cli import NONFINITE_EXIT_STATUS, main
 from shardlib.config import CheckpointConfig, CommConfig, MeshConfig
+from shardlib.observe import read_scalars
 from shardlib.run import watchdog
 from shardlib.run.goodput import PROGRESS_FILE, Timeline, fractions
 from shardlib.run.loop import train
@@ -191,17 +192,18 @@ def test_skip_policy_counts_and_halts_after_max_skipped(tmp_path):
 
 
 def test_goodput_covers_the_wall_time_and_counts_recomputed_steps(tmp_path):
-    """Run 4 steps (saves at 2 and 4), lose checkpoint 4 as a crash would, resume to 6:
-    steps 3-4 are rework; the buckets add up to the wall time of ``train()``."""
+    """Run 3 steps (saves at 2 and 3), lose checkpoint 3 as a crash would, resume to 5:
+    step 3 is rework; the buckets add up to the wall time of ``train()``."""
     directory = tmp_path / "ckpt"
-    config = tiny_config(MeshConfig(), steps=4)
+    config = tiny_config(MeshConfig(), steps=3)
     config = dataclasses.replace(config, checkpoint=CheckpointConfig(dir=str(directory),
                                                                       every=2))
     train(config)
-    shutil.rmtree(directory / "4")
+    shutil.rmtree(directory / "3")
     resumed = dataclasses.replace(
         config, checkpoint=dataclasses.replace(config.checkpoint, resume=True),
-        train=dataclasses.replace(config.train, steps=6, log_every=1))
+        train=dataclasses.replace(config.train, steps=5, log_every=1,
+                                  tensorboard_dir=str(tmp_path / "tb")))
     start = time.perf_counter()
     result = train(resumed)
     wall = time.perf_counter() - start
@@ -211,9 +213,12 @@ def test_goodput_covers_the_wall_time_and_counts_recomputed_steps(tmp_path):
     assert abs(sum(seconds.values()) - wall) <= 0.02 * wall, (seconds, wall)
     assert abs(sum(fractions(seconds).values()) - 1) < 1e-9
     assert seconds["restart_lost"] > 0 and seconds["productive"] > 0
-    # steps 3-4 recomputed, 5-6 new: each sync settles the step time it covered
+    # step 3 recomputed, 4-5 new: each sync settles the step time it covered
     assert summary["goodput"] == pytest.approx(seconds["productive"] / sum(seconds.values()))
     assert result.history[-1]["goodput"] > 0
+    scalars = read_scalars(str(tmp_path / "tb"))
+    assert len(scalars["perf/goodput"]) == 3  # one per sync
+    assert scalars["goodput/productive"][0][1] == pytest.approx(summary["goodput"], rel=1e-6)
 
 
 def test_timeline_nests_phases_exclusively():
@@ -310,7 +315,7 @@ def test_sigstopped_process_is_named_and_everything_exits():
     timeout plus 30 s; no process is left."""
     timeout = 5
     cmd = [sys.executable, "-m", "shardlib", "launch", "--processes", "2",
-           "--devices-per-process", "4", "--grace", "5", "--", *RUN, "--steps", "100000",
+           "--devices-per-process", "4", "--grace", "2", "--", *RUN, "--steps", "100000",
            "--lr", "1e-3", "--mesh", "data=8", "--hang-timeout", str(timeout)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
