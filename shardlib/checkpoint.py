@@ -5,6 +5,7 @@ A checkpoint directory holds one folder per finished step::
 
     DIR/<step>/state/                the whole TrainState pytree (every field, generically)
     DIR/<step>/config/               the Config that produced it, as JSON
+    DIR/<step>/data/                 the input pipeline's position (``shardlib.data``), JSON
     DIR/<step>/shardlib_files.json   the size of every file above
 
 orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and renames it only once every
@@ -35,7 +36,7 @@ from shardlib.train.nonfinite import finite_flag
 from shardlib.train.state import TrainSetup, TrainState, abstract_state
 
 FILE_LIST = "shardlib_files.json"
-ITEMS = ("state", "config")
+ITEMS = ("state", "config", "data")
 _TMP_DIR = re.compile(r"^(\d+)\..*tmp")  # orbax's '<step>.orbax-checkpoint-tmp[-<time>]'
 
 
@@ -121,6 +122,9 @@ class Checkpointer:
         self._worker: threading.Thread | None = None  # started by the first save
         self._handoff_error: Exception | None = None
         self.refused: list[int] = []  # steps not saved: their state held a NaN/inf
+        # step -> the data loader's state after that step (set by the training loop);
+        # saved beside the state so --resume reads exactly the batches that come next
+        self.data_state: Callable[[int], dict[str, Any]] | None = None
         for step in incomplete_steps(self.directory):
             _warn(f"checkpoint step {step} in {self.directory} was never finished (killed "
                   "mid-save?); skipping it")
@@ -128,7 +132,8 @@ class Checkpointer:
             self.directory,
             # zstd would save ~1% on trained float weights for twice the writer's CPU time
             item_handlers={"state": ocp.PyTreeCheckpointHandler(use_compression=False),
-                           "config": ocp.JsonCheckpointHandler()},
+                           "config": ocp.JsonCheckpointHandler(),
+                           "data": ocp.JsonCheckpointHandler()},
             options=ocp.CheckpointManagerOptions(
                 # read_only: orbax's own flag only logs warnings; this writes nothing either
                 max_to_keep=None if read_only else keep, create=False,
@@ -156,8 +161,11 @@ class Checkpointer:
         self._manager.wait_until_finished()  # the file-list callback knows its step
         self._saving = step
         finite = finite_flag(state)  # on device, before the next step may donate it
-        args = ocp.args.Composite(state=ocp.args.PyTreeSave(host_copy(state) if copy else state),
-                                  config=ocp.args.JsonSave(to_dict(config)))
+        items = {"state": ocp.args.PyTreeSave(host_copy(state) if copy else state),
+                 "config": ocp.args.JsonSave(to_dict(config))}
+        if self.data_state is not None:
+            items["data"] = ocp.args.JsonSave(self.data_state(step))
+        args = ocp.args.Composite(**items)
         if jax.process_count() > 1:  # orbax's cross-process barriers stay on this thread
             if self._finite(step, finite):  # the same replicated flag on every process
                 self._manager.save(step, args=args, force=True)
@@ -268,6 +276,14 @@ class Checkpointer:
         restored = self.guarded_read(step, "its config", lambda: self._manager.restore(
             step, args=ocp.args.Composite(config=ocp.args.JsonRestore())))
         return restored["config"]
+
+    def saved_data_state(self, step: int) -> dict[str, Any] | None:
+        """The data loader's position saved with ``step`` (None for a checkpoint without)."""
+        if not (self.directory / str(step) / "data").is_dir():
+            return None
+        restored = self.guarded_read(step, "its data state", lambda: self._manager.restore(
+            step, args=ocp.args.Composite(data=ocp.args.JsonRestore())))
+        return restored["data"]
 
     def saved_arrays(self, step: int) -> dict[str, tuple[tuple, Any]]:
         """Path -> (key path, orbax ArrayMetadata with shape and dtype) of every saved array."""

@@ -118,7 +118,7 @@ class TrainConfig:
     seq_len: int = 128
     seed: int = 0
     grad_accum: int = 1  # microbatches per optimizer step (lax.scan inside the step)
-    data: str = "stdlib"  # "stdlib", "synthetic" or a path to a text file
+    data: str = "stdlib"  # stdlib, synthetic, a text file, or a `shardlib data prepare` dir
     init_from: str = ""  # Hugging Face save_pretrained dir to start from (models.hf); "" = init
     eval_every: int = 50  # 0 disables eval
     eval_batches: int = 2
@@ -193,6 +193,27 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class DataConfig:
+    """Tokenizer, packing and input pipeline (``shardlib.data``); the source is ``train.data``."""
+
+    # "": the dataset's own (a prepared dataset carries its tokenizer; bytes otherwise),
+    # else bytes | a tokenizer.json | a Hugging Face model directory holding one
+    tokenizer: str = ""
+    packing_mask: bool = False  # batches carry segment_ids + positions: attention per document
+    shuffle: bool = True  # prepared data: a seeded window order, reshuffled every epoch
+    workers: int = 2  # grain threads reading host batches (0: read on the training thread)
+    prefetch: int = 2  # batches read ahead, the next one put on devices during the step
+
+    def __post_init__(self) -> None:
+        for name in ("workers", "prefetch"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"data.{name}={getattr(self, name)}: must be >= 0 "
+                                  "(0 turns it off)")
+        if self.workers > 64:
+            raise ConfigError(f"data.workers={self.workers}: at most 64 threads; try 2 to 8")
+
+
+@dataclass(frozen=True)
 class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -203,6 +224,7 @@ class Config:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    data: DataConfig = field(default_factory=DataConfig)
     rules: tuple[tuple[str, tuple[str, ...]], ...] = ()  # user overrides: (logical dim, axes)
 
 

@@ -32,6 +32,8 @@ PARAMETERS: dict[str, dict[str, object]] = {
     "05_checkpoint_and_reshard": {"MODEL": "tiny", "STEPS": 12, "SEQ_LEN": 64},
     "06_long_context_moe_pipeline": {"STEPS": 4, "SEQ_LEN": 64},
     "07_planner": {"MODEL": "tiny", "SEQ_LEN": 64, "COMPILE_TOP": 0},
+    "08_real_data": {"MODEL": "tiny", "STEPS": 6, "SEQ_LEN": 64, "CORPUS_MB": 0.5,
+                     "VOCAB": 512},
 }
 CELL_TIMEOUT_S = 600
 

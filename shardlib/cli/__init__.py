@@ -82,7 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(train)
     train.add_argument("--steps", type=int, help="optimizer steps")
     train.add_argument("--lr", type=float, help="peak learning rate")
-    train.add_argument("--data", help="stdlib (default), synthetic, or a path to a text file")
+    train.add_argument("--data", help="stdlib (default), synthetic, a path to a text file, "
+                       "or a directory made by `shardlib data prepare`")
+    train.add_argument("--tokenizer", help="bytes, a tokenizer.json or a Hugging Face model "
+                       "directory (default: the prepared dataset's own, else bytes)")
     train.add_argument("--init-from", metavar="PATH", help="fine-tune a Hugging Face GPT-2 or "
                        "Llama save_pretrained directory: its config.json replaces --model")
     train.add_argument("--eval-every", type=int, help="evaluate every N steps (0: never)")
@@ -107,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "grad norm: halt (default, exit 4) or skip the step (state kept)")
     add_distributed_flags(train)
     add_launch_parser(sub)
+    from shardlib.cli.data import add_data_parsers
+    add_data_parsers(sub)
     inspect = sub.add_parser("inspect", help="compile one train step (no run) and report its "
                              "collectives, memory and FLOPs against theory")
     add_model_flags(inspect)
@@ -135,6 +140,7 @@ FLAG_FIELDS = {  # CLI flag (argparse dest) -> (config section, field)
     "remat": ("model", "remat"), "init_from": ("train", "init_from"),
     "checkpoint_dir": ("checkpoint", "dir"), "checkpoint_every": ("checkpoint", "every"),
     "keep": ("checkpoint", "keep"), "resume": ("checkpoint", "resume"),
+    "tokenizer": ("data", "tokenizer"),
     "hang_timeout": ("train", "hang_timeout_s"), "on_nonfinite": ("train", "on_nonfinite"),
 }
 
@@ -159,6 +165,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
             config = dataclasses.replace(config, **{section: part})
     config = apply_overrides(config, args.overrides)
     check_train_config(config.train)
+    if args.command == "train":
+        from shardlib.cli.data import fit_vocab
+        config = fit_vocab(config, args.overrides, quiet=bool(args.process_id))
     return config
 
 
@@ -283,8 +292,21 @@ def run_plan(args: argparse.Namespace) -> int:
     return plan(args, config_from_args)
 
 
+def run_data(args: argparse.Namespace) -> int:
+    from shardlib.cli.data import run_data as run
+
+    return run(args)
+
+
+def run_tokenizer(args: argparse.Namespace) -> int:
+    from shardlib.cli.data import run_tokenizer as run
+
+    return run(args)
+
+
 COMMANDS = {"train": run_train, "inspect": run_inspect, "export": run_export,
-            "launch": run_launch, "plan": run_plan}
+            "launch": run_launch, "plan": run_plan, "data": run_data,
+            "tokenizer": run_tokenizer}
 
 
 def _format_warning(message, category, filename, lineno, line=None) -> str:

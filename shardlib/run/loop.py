@@ -7,6 +7,7 @@ between those, steps are dispatched asynchronously and their metrics stay on dev
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -73,10 +74,12 @@ class Guards:
         return reason
 
 
-def evaluate(eval_step, params, val: data_lib.Batches, setup: TrainSetup, count: int) -> float:
-    """Mean loss over ``count`` held-out batches."""
-    losses = [eval_step(params, data_lib.global_batch(val, i, setup.batch_sharding))
-              for i in range(count)]
+def evaluate(eval_step, params, val: data_lib.Batches | data_lib.Loader, setup: TrainSetup,
+             count: int) -> float:
+    """Mean loss over ``count`` held-out batches (of a corpus, or a loader's val split)."""
+    batch = val.val_batch if isinstance(val, data_lib.Loader) else \
+        (lambda i: data_lib.global_batch(val, i, setup.batch_sharding))
+    losses = [eval_step(params, batch(i)) for i in range(count)]
     return float(np.mean(jax.device_get(losses)))
 
 
@@ -108,6 +111,7 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
     checkpointer = open_for_training(config.checkpoint)  # a bad directory fails first
     if config.mesh.auto:  # `--mesh auto`: the planner picks mesh, remat and microbatches
         config = resolve_auto(config, devices)
+    source = data_lib.open_source(config)  # bad data or tokenizer fails before compiling
     setup = build_setup(config, devices)
     result = TrainResult(state, setup)
     if state is None and checkpointer is not None and config.checkpoint.resume:
@@ -122,16 +126,18 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
     reporter.on_start(setup, {"params": count_params(config.model)})
     started = time.perf_counter()
     observer = observe.RunObserver(setup)
+    loader = _loader(setup, source, state, checkpointer, result.resumed_from)
     timeline.lap("startup")
     try:
         with StopSignals(enabled=checkpointer is not None) as stop:
             state, compile_s = _run(setup, state, result, reporter, checkpointer, stop,
-                                    observer, guards)
+                                    observer, loader, guards)
     except Exception:
         _explain_hang(dog)
         raise
     finally:
         dog.close()
+    loader.close()
     result.state = state
     result.summary = summarize(result.history, compile_s, time.perf_counter() - started)
     result.summary.update(observer.summary(result.summary))  # MFU, peak memory, trace
@@ -142,7 +148,8 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
         result.halt_message = nonfinite.halt_message(
             guards.tracker.reason, config.checkpoint.dir, result.checkpoint_step)
     with timeline.phase("sample"):
-        result.sample = "" if result.stopped_by else _sample(setup, state, config.train)
+        result.sample = "" if result.stopped_by else _sample(setup, state, config.train,
+                                                             source.tokenizer)
     result.summary.update(guards.tracker.summary())
     result.summary.update(timeline.summary())
     reporter.on_end(result.summary, result.sample)
@@ -157,16 +164,37 @@ def _explain_hang(dog: watchdog.Watchdog) -> None:
         print(f"shardlib train: error: {line}", file=sys.stderr, flush=True)
 
 
+def _loader(setup: TrainSetup, source: data_lib.Source, state: TrainState,
+            checkpointer: Checkpointer | None, resumed_from: int | None) -> data_lib.Loader:
+    """The run's loader, at the position saved with the resumed checkpoint (else at batch
+    ``state.step``); checkpoints save its position after each saved step."""
+    loader = data_lib.make_loader(setup.config, source, setup.batch_sharding)
+    loader.next_batch = int(state.step)
+    saved = None if resumed_from is None else checkpointer.saved_data_state(resumed_from)
+    if saved is not None:
+        loader.restore(saved)
+    if checkpointer is not None:
+        offset = loader.next_batch - int(state.step)  # batch k feeds step k + 1 - offset
+        checkpointer.data_state = lambda step: loader.state(step + offset)
+    return loader
+
+
+def _eval_row(row: dict[str, Any], loss: float, loader: data_lib.Loader) -> None:
+    """Eval loss (nats per token) and bits per byte of text (comparable across tokenizers)."""
+    row["eval_loss"] = loss
+    row["eval_bits_per_byte"] = loss * loader.source.tokens_per_byte / math.log(2)
+
+
 def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Reporter,
          checkpointer: Checkpointer | None, stop: StopSignals,
-         observer: observe.RunObserver, guards: Guards) -> tuple[TrainState, float]:
+         observer: observe.RunObserver, loader: data_lib.Loader,
+         guards: Guards) -> tuple[TrainState, float]:
     """Compile, then step from ``state.step`` to ``train.steps``: log every ``log_every``
     steps, save every ``checkpoint.every``, and stop before the next step on a signal
     or a non-finite loss (``train.on_nonfinite``)."""
     tc = setup.config.train
     timeline = guards.timeline
-    train_data, val_data = data_lib.make_batches(tc.data, tc.batch_size, tc.seq_len, tc.seed)
-    first = data_lib.global_batch(train_data, int(state.step), setup.batch_sharding)
+    first = next(loader)
     timeline.lap("data")
     tick = time.perf_counter()
     step_fn = make_train_step(setup).lower(state, first).compile()
@@ -189,8 +217,7 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
             result.stopped_by = stop.signal
             break
         with timeline.phase("data"):
-            batch = first if step == first_step else data_lib.global_batch(
-                train_data, step - 1, setup.batch_sharding)
+            batch = first if step == first_step else next(loader)
         observer.profiler.before_step(step, state)
         with timeline.phase("step"):
             state, metrics = (after_save or step_fn)(state, batch)
@@ -216,10 +243,12 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
             with timeline.phase("sync"):
                 rows = _rows(pending, tick, tokens)
             halt = guards.synced(rows)
+            if loader.state()["epoch"] is not None:
+                rows[-1]["epoch"] = loader.state()["epoch"]
             if do_eval and halt is None:
                 with timeline.phase("eval"):
-                    rows[-1]["eval_loss"] = evaluate(eval_step, state.params, val_data, setup,
-                                                     tc.eval_batches)
+                    _eval_row(rows[-1], evaluate(eval_step, state.params, loader, setup,
+                                                 tc.eval_batches), loader)
             if adapt is not None:
                 adapt.annotate(rows)
             if due and halt is None:
@@ -351,20 +380,23 @@ def summarize(history: list[dict[str, Any]], compile_s: float, total_s: float) -
     if not history:
         return {"compile_time_s": compile_s, "total_time_s": total_s}
     steady = history[len(history) // 10:] or history
-    evals = [row["eval_loss"] for row in history if "eval_loss" in row]
+    evals = [row for row in history if "eval_loss" in row]
     return {
         "steps": history[-1]["step"], "first_loss": history[0]["loss"],
-        "final_loss": history[-1]["loss"], "eval_loss": evals[-1] if evals else None,
+        "final_loss": history[-1]["loss"],
+        "eval_loss": evals[-1]["eval_loss"] if evals else None,
+        "eval_bits_per_byte": evals[-1].get("eval_bits_per_byte") if evals else None,
         "tokens_per_sec": float(np.median([r["tokens_per_sec"] for r in steady])),
         "step_time_s": float(np.median([r["step_time_s"] for r in steady])),
         "compile_time_s": compile_s, "total_time_s": total_s,
     }
 
 
-def _sample(setup: TrainSetup, state: TrainState, tc) -> str:
+def _sample(setup: TrainSetup, state: TrainState, tc, tokenizer: data_lib.Tokenizer) -> str:
+    """Generated text, encoded and decoded through the run's tokenizer."""
     if tc.sample_tokens <= 0:
         return ""
-    prompt = data_lib.encode("def " if tc.data == "stdlib" else "\n")
+    prompt = np.asarray(tokenizer.encode("def " if tc.data == "stdlib" else "\n"), np.int32)
     rows = generate(setup, state.params, prompt, tc.sample_tokens,
                     temperature=tc.sample_temperature, top_k=tc.sample_top_k, seed=tc.seed)
-    return data_lib.decode(rows[0])
+    return tokenizer.decode(rows[0])

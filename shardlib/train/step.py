@@ -126,7 +126,7 @@ def make_train_step(setup: TrainSetup, *, donate: bool = True
     """``train_step`` jitted with the setup's shardings. The input state is donated
     (updated in place) unless ``donate=False``, which keeps it alive, e.g. for a
     checkpoint still reading it."""
-    batch_sh = {"inputs": setup.batch_sharding, "targets": setup.batch_sharding}
+    batch_sh = setup.batch_sharding  # every batch key (inputs, targets, segment_ids, ...)
     return jax.jit(
         lambda state, batch: guarded_train_step(setup, state, batch),
         in_shardings=(setup.state_shardings, batch_sh),
@@ -137,7 +137,7 @@ def make_train_step(setup: TrainSetup, *, donate: bool = True
 
 def make_eval_step(setup: TrainSetup) -> Callable[[nnx.State, Batch], jax.Array]:
     """Cross-entropy on a held-out batch, no gradients."""
-    batch_sh = {"inputs": setup.batch_sharding, "targets": setup.batch_sharding}
+    batch_sh = setup.batch_sharding  # every batch key (inputs, targets, segment_ids, ...)
     return jax.jit(
         lambda params, batch: loss_and_metrics(setup, params, batch)[1]["loss"],
         in_shardings=(setup.state_shardings.params, batch_sh),

@@ -1,6 +1,6 @@
-"""Training data: byte-level corpora (the Python standard library's own source, a
-synthetic copy task, or any local text file), deterministic batches, and global sharded
-arrays built from each process's rows.
+"""Built-in byte-level corpora (the Python standard library's own source, a synthetic copy
+task, or any local text file): random windows, deterministic per (seed, batch index), and
+global sharded arrays built from each process's rows. No preparation, no download.
 """
 
 from __future__ import annotations

@@ -1,0 +1,349 @@
+"""``shardlib data prepare``: text, JSON Lines and Parquet files -> token shards.
+
+The inputs are cut into work units (~8 MB byte ranges at line ends, or Parquet row
+groups); worker processes tokenize units in parallel, end every document with the EOD
+token and write each unit as its own shard (``shardlib.data.shards``). Each document
+goes to the train or validation split by a hash of its place, so the split does not
+depend on the number of workers. Everything is written into a hidden sibling directory
+that is renamed into place only once whole: an interrupted prepare leaves nothing that
+training accepts, and the next run starts it clean. A run whose inputs (paths, sizes,
+modification times), tokenizer and options match the existing manifest does nothing.
+
+Invalid UTF-8 is replaced (U+FFFD) and counted, never fatal.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shardlib.data.shards import FORMAT, MANIFEST, SPLITS
+from shardlib.data.tokenizer import HFTokenizer, Tokenizer, json_text, load_tokenizer
+from shardlib.errors import ConfigError
+
+try:  # Parquet input is optional: pip install pyarrow
+    import pyarrow.parquet as pq
+except ImportError:  # pragma: no cover
+    pq = None
+
+UNIT_BYTES = 2**20  # text per work unit: big enough to amortise, small enough to balance
+SUFFIXES = (".txt", ".jsonl", ".parquet")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of work: a byte range of a text file, or one Parquet row group."""
+
+    index: int
+    path: str
+    kind: str  # txt | jsonl | parquet
+    start: int  # byte offset (row group for parquet)
+    stop: int
+    first_line: int  # 1-based line number of ``start`` (jsonl error messages)
+    ends_file: bool  # the last unit of its file (a .txt document ends here)
+
+
+@dataclass(frozen=True)
+class Options:
+    tokenizer: str
+    text_field: str
+    val_fraction: float
+    dtype: str
+    out: str
+
+
+@dataclass
+class Prepared:
+    """What ``prepare`` did: counts, time, and whether it was already up to date."""
+
+    path: Path
+    up_to_date: bool
+    manifest: dict[str, Any]
+    seconds: float = 0.0
+    input_bytes: int = 0
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.input_bytes / 2**20 / max(self.seconds, 1e-9)
+
+
+def expand_inputs(patterns: Sequence[str]) -> list[Path]:
+    """Files named by paths, globs and directories (their .txt/.jsonl/.parquet files)."""
+    files: list[Path] = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern, recursive=True)) or [pattern]
+        for match in map(Path, matches):
+            if match.is_dir():
+                files.extend(sorted(p for p in match.rglob("*") if p.suffix in SUFFIXES))
+            elif not match.is_file():
+                raise ConfigError(f"--input {pattern}: no such file or directory")
+            elif match.suffix not in SUFFIXES:
+                raise ConfigError(f"--input {match}: unsupported file type {match.suffix!r}; "
+                                  f"use {', '.join(SUFFIXES)}")
+            else:
+                files.append(match)
+    unique = list(dict.fromkeys(p.resolve() for p in files))
+    if not unique:
+        raise ConfigError(f"--input {' '.join(patterns)}: no .txt, .jsonl or .parquet files")
+    for path in unique:
+        if path.stat().st_size == 0:
+            raise ConfigError(f"--input {path}: the file is empty; remove it from the inputs")
+    return unique
+
+
+def _line_cuts(path: Path, unit_bytes: int) -> Iterator[tuple[int, int, int]]:
+    """(start, stop, first line) ranges of ~unit_bytes ending at line ends."""
+    start, line, size = 0, 1, path.stat().st_size
+    with path.open("rb") as file:
+        while start < size:
+            file.seek(start + unit_bytes)
+            file.readline()  # to the end of the line the cut falls in
+            stop = min(file.tell(), size)
+            file.seek(start)
+            lines = file.read(stop - start).count(b"\n")
+            yield start, stop, line
+            start, line = stop, line + lines
+
+
+def make_units(files: Sequence[Path], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
+    units: list[Unit] = []
+    for path in files:
+        kind = path.suffix[1:]
+        if kind == "parquet":
+            if pq is None:
+                raise ConfigError(f"--input {path}: reading Parquet needs pyarrow "
+                                  "(pip install pyarrow)")
+            groups = pq.ParquetFile(path).num_row_groups
+            pieces = [(g, g + 1, 0) for g in range(groups)]
+        else:
+            pieces = list(_line_cuts(path, unit_bytes))
+        for i, (start, stop, line) in enumerate(pieces):
+            units.append(Unit(len(units), str(path), kind, start, stop, line,
+                              i == len(pieces) - 1))
+    return units
+
+
+def _decode(raw: bytes) -> tuple[str, int]:
+    """Text and the number of invalid UTF-8 bytes replaced."""
+    try:
+        return raw.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        return text, text.count("\ufffd") - raw.count("\ufffd".encode())
+
+
+def unit_texts(unit: Unit, text_field: str) -> tuple[list[str], int]:
+    """The unit's documents (a .txt unit is one piece of one document) and replacements."""
+    if unit.kind == "parquet":
+        table = pq.ParquetFile(unit.path).read_row_group(unit.start)
+        if text_field not in table.column_names:
+            raise ConfigError(f"{unit.path}: no column {text_field!r} (columns: "
+                              f"{', '.join(table.column_names)}); pass --text-field NAME")
+        return [t if isinstance(t, str) else "" for t in table.column(text_field).to_pylist()], 0
+    with open(unit.path, "rb") as file:
+        file.seek(unit.start)
+        text, replaced = _decode(file.read(unit.stop - unit.start))
+    if unit.kind == "txt":
+        return [text], replaced
+    docs = [json_text(line, text_field, f"{unit.path}:{unit.first_line + i}")
+            for i, line in enumerate(text.split("\n")) if line.strip()]
+    return docs, replaced
+
+
+def in_val(unit: int, doc: int, fraction: float) -> bool:
+    """Whether document ``doc`` of ``unit`` is held out: a hash, so it is stable."""
+    digest = hashlib.blake2b(f"{unit}:{doc}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < fraction
+
+
+def _write_split(out: Path, name: str, docs: list[np.ndarray], dtype: str) -> dict[str, Any]:
+    tokens = np.concatenate(docs).astype(dtype, copy=False)
+    tokens.tofile(out / f"{name}.bin")
+    np.cumsum([len(d) for d in docs], dtype=np.uint64).tofile(out / f"{name}.docs")
+    return {"tokens": f"{name}.bin", "docs": f"{name}.docs", "num_tokens": int(tokens.size),
+            "num_docs": len(docs), "checksum": hashlib.sha256(tokens.tobytes()).hexdigest()[:16]}
+
+
+def tokenize_unit(unit: Unit, opts: Options) -> dict[str, Any]:
+    """Tokenize one unit (one document at a time: a worker uses one core) and write its
+    train/val shards; returns their manifest entries."""
+    tokenizer = _worker_tokenizer(opts.tokenizer)
+    texts, replaced = unit_texts(unit, opts.text_field)
+    eod = np.array([tokenizer.eod_id] if unit.kind != "txt" or unit.ends_file else [], opts.dtype)
+    docs: dict[str, list[np.ndarray]] = {"train": [], "val": []}
+    nbytes = {"train": 0, "val": 0}
+    for i, text in enumerate(texts):
+        name = "val" if in_val(unit.index, i, opts.val_fraction) else "train"
+        docs[name].append(np.concatenate([np.asarray(tokenizer.encode(text), opts.dtype), eod]))
+        nbytes[name] += len(text.encode("utf-8"))
+    out = {"replaced": replaced}
+    for name in SPLITS:
+        if docs[name]:
+            entry = _write_split(Path(opts.out), f"{name}-{unit.index:05d}", docs[name], opts.dtype)
+            out[name] = {**entry, "num_bytes": nbytes[name], "ends_doc": eod.size > 0}
+    return out
+
+
+_TOKENIZERS: dict[str, Tokenizer] = {}
+
+
+def _worker_tokenizer(spec: str) -> Tokenizer:
+    if spec not in _TOKENIZERS:
+        _TOKENIZERS[spec] = load_tokenizer(spec)
+    return _TOKENIZERS[spec]
+
+
+def _quiet_worker() -> None:
+    """One core per worker: the tokenizers library's own thread pool off."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _run_units(units: list[Unit], opts: Options, workers: int,
+               progress: Callable[[Unit], None]) -> list[dict[str, Any]]:
+    if workers <= 1:
+        results = []
+        for unit in units:
+            results.append(tokenize_unit(unit, opts))
+            progress(unit)
+        return results
+    # fork starts a worker in milliseconds (spawn re-imports shardlib: seconds each); the
+    # workers only run the tokenizer and numpy, never JAX
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    context = multiprocessing.get_context(method)
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_quiet_worker) as pool:
+        futures = [pool.submit(tokenize_unit, u, opts) for u in units]
+        results = []
+        for unit, future in zip(units, futures, strict=True):
+            results.append(future.result())
+            progress(unit)
+        return results
+
+
+def input_fingerprint(files: Sequence[Path], tokenizer: Tokenizer, text_field: str,
+                      val_fraction: float) -> str:
+    """What a prepared dataset was made from: a re-run with the same is a no-op."""
+    stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    key = json.dumps([FORMAT, stats, tokenizer.fingerprint, text_field, val_fraction])
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _summarize(results: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    shards = [r[name] for r in results if name in r]
+    return {"shards": shards, "num_tokens": sum(s["num_tokens"] for s in shards),
+            "num_docs": sum(s["num_docs"] for s in shards if s["ends_doc"]),
+            "num_bytes": sum(s["num_bytes"] for s in shards)}
+
+
+def _manifest(results: list[dict[str, Any]], tokenizer: Tokenizer, opts: Options,
+              files: Sequence[Path], fingerprint: str) -> dict[str, Any]:
+    splits = {name: _summarize(results, name) for name in SPLITS}
+    if splits["train"]["num_tokens"] == 0:
+        raise ConfigError("--input: no text in the inputs (every document is empty)")
+    if opts.val_fraction > 0 and splits["val"]["num_tokens"] == 0:
+        docs = splits["train"]["num_docs"]
+        raise ConfigError(f"--val-fraction {opts.val_fraction}: no document of {docs} fell in "
+                          "the validation split; add documents, raise it, or pass 0")
+    return {"format": FORMAT, "fingerprint": fingerprint, "dtype": opts.dtype,
+            "tokenizer": {"name": tokenizer.name, "fingerprint": tokenizer.fingerprint,
+                          "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id},
+            "text_field": opts.text_field, "val_fraction": opts.val_fraction,
+            "inputs": [str(p) for p in files],
+            "replaced_utf8": sum(r["replaced"] for r in results), "splits": splits}
+
+
+def _copy_tokenizer(tok: Tokenizer, out: Path) -> None:
+    """The dataset carries its tokenizer: training and sampling need no other path."""
+    if isinstance(tok, HFTokenizer):
+        shutil.copyfile(tok.path, out / "tokenizer.json")
+        config = tok.path.parent / "tokenizer_config.json"
+        if config.is_file():
+            shutil.copyfile(config, out / "tokenizer_config.json")
+
+
+def _swap_into_place(partial: Path, out: Path) -> None:
+    """Rename the finished directory to ``out`` (an older one is moved aside first)."""
+    old = out.with_name(f".{out.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    partial.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _check_options(out: Path, val_fraction: float, workers: int) -> None:
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(f"--val-fraction {val_fraction}: must be in [0, 1), e.g. 0.01")
+    if workers < 1:
+        raise ConfigError(f"--workers {workers}: must be >= 1")
+    if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
+        raise ConfigError(f"--out {out}: exists, is not empty and is not a prepared dataset; "
+                          "pick a new directory")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: parent directory {out.parent} does not exist")
+
+
+def prepare(inputs: Sequence[str], tokenizer: str, out: str, *, text_field: str = "text",
+            val_fraction: float = 0.01, workers: int = 1,
+            progress: Callable[[int, int], None] | None = None,
+            unit_bytes: int = UNIT_BYTES) -> Prepared:
+    """Tokenize ``inputs`` into a prepared dataset at ``out`` (see the module docstring).
+    ``progress(done_bytes, total_bytes)`` is called as units finish."""
+    root = Path(out).expanduser().absolute()
+    _check_options(root, val_fraction, workers)
+    files = expand_inputs(inputs)
+    tok = load_tokenizer(tokenizer)
+    fingerprint = input_fingerprint(files, tok, text_field, val_fraction)
+    if (root / MANIFEST).is_file():
+        manifest = json.loads((root / MANIFEST).read_text())
+        if manifest.get("fingerprint") == fingerprint:
+            return Prepared(root, True, manifest)
+    started = time.perf_counter()
+    partial = root.with_name(f".{root.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)  # an interrupted run: start clean
+    partial.mkdir()
+    dtype = "uint16" if tok.vocab_size <= 2**16 else "uint32"
+    opts = Options(tokenizer or "bytes", text_field, val_fraction, dtype, str(partial))
+    units = make_units(files, unit_bytes)
+    total, done = sum(p.stat().st_size for p in files), [0]
+
+    def advance(unit: Unit) -> None:
+        done[0] += unit.stop - unit.start if unit.kind != "parquet" else (
+            Path(unit.path).stat().st_size // sum(u.path == unit.path for u in units))
+        if progress is not None:
+            progress(min(done[0], total), total)
+
+    try:
+        results = _run_units(units, opts, workers, advance)
+        manifest = _manifest(results, tok, opts, files, fingerprint)
+        _copy_tokenizer(tok, partial)
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _swap_into_place(partial, root)
+    except (Exception, KeyboardInterrupt):
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return Prepared(root, False, manifest, time.perf_counter() - started, total)
+
+
+def describe(result: Prepared) -> str:
+    """One line about a prepared dataset, for the CLI."""
+    m = result.manifest
+    train, val = m["splits"]["train"], m["splits"]["val"]
+    head = f"{result.path}: up to date" if result.up_to_date else (
+        f"prepared {result.input_bytes / 2**20:.1f} MB in {result.seconds:.1f} s "
+        f"({result.mb_per_s:.1f} MB/s) -> {result.path}")
+    return (f"{head}; train {train['num_tokens']:,} tokens in {train['num_docs']:,} docs, "
+            f"val {val['num_tokens']:,} tokens; tokenizer {m['tokenizer']['name']} "
+            f"(vocab {m['tokenizer']['vocab_size']}), {m['dtype']}, "
+            f"{m['replaced_utf8']} invalid UTF-8 bytes replaced")

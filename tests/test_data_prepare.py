@@ -1,0 +1,181 @@
+"""Tokenizers, `data prepare` (formats, parallel workers, no-op re-runs, atomicity) and
+its errors: one clear ShardlibError naming the file, line or field, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from shardlib.cli import main
+from shardlib.data import (
+    ByteTokenizer,
+    PackedWindows,
+    load_tokenizer,
+    open_dataset,
+    prepare,
+    segments,
+    train_tokenizer,
+)
+from shardlib.errors import ConfigError
+
+WORDS = ["alpha", "beta", "gamma", "delta", "shard", "mesh", "token", "über", "naïve"]
+
+
+def write_jsonl(path, docs: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    texts = [" ".join(rng.choice(WORDS, size=rng.integers(5, 60))) for _ in range(docs)]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return texts
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    texts = write_jsonl(root / "a.jsonl", 300)
+    (root / "b.txt").write_text("def f(x):\n    return x\n" * 40)
+    tok = train_tokenizer([str(root / "a.jsonl"), str(root / "b.txt")], 300,
+                          str(root / "tok" / "tokenizer.json"))
+    return root, texts, tok
+
+
+def test_bpe_tokenizer_round_trips_and_has_an_end_of_document(corpus):
+    root, texts, tok = corpus
+    assert tok.vocab_size == 300 and tok.decode([tok.eod_id]) == ""
+    assert tok.decode(tok.encode(texts[0])) == texts[0]
+    assert len(tok.encode(texts[0])) < len(texts[0].encode())  # merges learned
+    again = load_tokenizer(str(root / "tok"))  # a model directory holding tokenizer.json
+    assert again.fingerprint == tok.fingerprint and again.encode("gamma") == tok.encode("gamma")
+    assert ByteTokenizer().decode(ByteTokenizer().encode("naïve")) == "naïve"
+
+
+def test_prepare_counts_split_and_is_a_no_op_when_up_to_date(corpus, tmp_path):
+    root, texts, tok = corpus
+    out = tmp_path / "ds"
+    inputs = [str(root / "a.jsonl"), str(root / "b.txt")]
+    first = prepare(inputs, str(root / "tok"), str(out), val_fraction=0.1, unit_bytes=4096)
+    m = first.manifest
+    assert not first.up_to_date and m["dtype"] == "uint16" and m["tokenizer"]["vocab_size"] == 300
+    assert m["splits"]["train"]["num_docs"] + m["splits"]["val"]["num_docs"] == len(texts) + 1
+    assert 0 < m["splits"]["val"]["num_docs"] < 0.25 * len(texts)
+    data = open_dataset(str(out))
+    tokens = np.concatenate([np.asarray(s.tokens) for s in data.split("train") + data.split("val")])
+    assert tokens.size == sum(len(tok.encode(t)) + 1 for t in texts) + \
+        len(tok.encode((root / "b.txt").read_text())) + 1
+    assert np.sum(tokens == tok.eod_id) == len(texts) + 1
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+    assert prepare(inputs, str(root / "tok"), str(out), val_fraction=0.1).up_to_date
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp
+    (root / "a.jsonl").touch()  # changed inputs: prepared again
+    assert not prepare(inputs, str(root / "tok"), str(out), val_fraction=0.1).up_to_date
+
+
+def test_two_workers_write_the_same_shards_as_one(corpus, tmp_path):
+    root, _, _ = corpus
+    runs = [prepare([str(root / "a.jsonl")], "bytes", str(tmp_path / f"w{n}"), workers=n,
+                    val_fraction=0.1, unit_bytes=4096).manifest for n in (1, 2)]
+    sums = [[s["checksum"] for s in m["splits"]["train"]["shards"]] for m in runs]
+    assert len(sums[0]) > 2 and sums[0] == sums[1]
+
+
+def test_parquet_input(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"body": ["one doc", "another doc", "third"] * 20}),
+                   tmp_path / "t.parquet", row_group_size=20)
+    m = prepare([str(tmp_path / "t.parquet")], "bytes", str(tmp_path / "ds"),
+                text_field="body", val_fraction=0.2).manifest
+    assert m["splits"]["train"]["num_docs"] + m["splits"]["val"]["num_docs"] == 60
+    assert len(m["splits"]["train"]["shards"]) == 3  # one per row group
+    with pytest.raises(ConfigError, match="no column 'text'.*--text-field"):
+        prepare([str(tmp_path / "t.parquet")], "bytes", str(tmp_path / "ds2"))
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"text": "ok"}\n{"text": "fine"}\nnot json\n', r"bad\.jsonl:3: not valid JSON"),
+    ('{"text": "ok"}\n{"body": "x"}\n', r"bad\.jsonl:2: no string field 'text'.*--text-field"),
+])
+def test_bad_jsonl_names_the_line_and_leaves_nothing(tmp_path, content, message):
+    write_jsonl(tmp_path / "good.jsonl", 50)
+    (tmp_path / "bad.jsonl").write_text(content)
+    inputs = [str(tmp_path / "good.jsonl"), str(tmp_path / "bad.jsonl")]
+    with pytest.raises(ConfigError, match=message):
+        prepare(inputs, "bytes", str(tmp_path / "ds"), unit_bytes=512)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl"]
+
+
+def test_missing_empty_and_too_small_inputs(tmp_path):
+    with pytest.raises(ConfigError, match="nope.txt: no such file"):
+        prepare([str(tmp_path / "nope.txt")], "bytes", str(tmp_path / "ds"))
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ConfigError, match="empty.txt: the file is empty"):
+        prepare([str(tmp_path / "empty.txt")], "bytes", str(tmp_path / "ds"))
+    (tmp_path / "one.txt").write_text("a single document")
+    with pytest.raises(ConfigError, match="no document of 1 fell in the validation split"):
+        prepare([str(tmp_path / "one.txt")], "bytes", str(tmp_path / "ds"), val_fraction=0.01)
+    assert not (tmp_path / "ds").exists()
+    with pytest.raises(ConfigError, match="--vocab-size 100: must be >= 257"):
+        train_tokenizer([str(tmp_path / "one.txt")], 100, str(tmp_path / "t.json"))
+
+
+def test_invalid_utf8_is_replaced_and_counted(tmp_path):
+    (tmp_path / "bin.txt").write_bytes(b"caf\xe9 ok \xff\xfe end")
+    m = prepare([str(tmp_path / "bin.txt")], "bytes", str(tmp_path / "ds"),
+                val_fraction=0).manifest
+    assert m["replaced_utf8"] == 3  # \xe9, \xff, \xfe: one U+FFFD each
+
+
+def test_segments_restart_at_every_document():
+    starts = np.array([0, 3, 4, 9])  # documents [0,3) [3,4) [4,9) [9,...)
+    ids, pos = segments(starts, 2, 8)  # tokens 2..9
+    np.testing.assert_array_equal(ids, [1, 2, 3, 3, 3, 3, 3, 4])
+    np.testing.assert_array_equal(pos, [0, 0, 0, 1, 2, 3, 4, 0])  # a cut document: from 0
+
+
+def test_windows_cover_every_token_once(corpus, tmp_path):
+    root, _, _ = corpus
+    prepare([str(root / "a.jsonl")], "bytes", str(tmp_path / "ds"), val_fraction=0,
+            unit_bytes=4096)
+    shards = open_dataset(str(tmp_path / "ds")).split("train")
+    windows = PackedWindows(shards, seq_len=16)
+    rows = windows.rows(range(len(windows)), with_segments=True)
+    first = shards[0]
+    count = (first.num_tokens - 1) // 16
+    np.testing.assert_array_equal(rows["inputs"][:count].ravel(),
+                                  np.asarray(first.tokens[:count * 16]))
+    np.testing.assert_array_equal(rows["targets"][:count].ravel(),
+                                  np.asarray(first.tokens[1:count * 16 + 1]))
+    eod = rows["inputs"] == ByteTokenizer.eod_id
+    after = np.roll(eod, 1, axis=1)
+    after[:, 0] = False  # a token after an EOD starts a new segment at position 0
+    assert np.all(rows["positions"][after] == 0)
+    assert np.all(np.diff(rows["segment_ids"], axis=1)[eod[:, :-1]] == 1)
+
+
+def test_cli_prepare_and_tokenizer_train(corpus, tmp_path, capsys):
+    root, _, _ = corpus
+    assert main(["tokenizer", "train", "--data", str(root / "a.jsonl"), "--vocab-size", "280",
+                 "--out", str(tmp_path / "tok.json")]) == 0
+    args = ["data", "prepare", "--input", str(root / "*.jsonl"), "--tokenizer",
+            str(tmp_path / "tok.json"), "--out", str(tmp_path / "ds"), "--val-fraction", "0.1"]
+    assert main(args) == 0 and main(args) == 0
+    out = capsys.readouterr().out
+    assert "vocab 280" in out and "up to date" in out.splitlines()[-1]
+    assert main(["data", "prepare", "--input", str(tmp_path / "x.jsonl"), "--out",
+                 str(tmp_path / "ds2")]) == 2
+    assert "x.jsonl: no such file" in capsys.readouterr().err
+
+
+def test_train_flags_size_the_vocabulary_for_the_tokenizer(corpus, tmp_path, capsys):
+    from shardlib.cli import build_parser, config_from_args
+
+    root, _, tok = corpus
+    prepare([str(root / "a.jsonl")], str(root / "tok"), str(tmp_path / "ds"), val_fraction=0.1)
+    args = ["train", "--data", str(tmp_path / "ds"), "--model", "tiny"]
+    config = config_from_args(build_parser().parse_args(args))
+    assert config.model.vocab_size == 384 and config.data.tokenizer == ""  # 300 -> 3 x 128
+    assert "model.vocab_size 256 -> 384" in capsys.readouterr().out
+    fixed = config_from_args(build_parser().parse_args(args + ["--set", "model.vocab_size=512",
+                                                                "data.packing_mask=true"]))
+    assert fixed.model.vocab_size == 512 and fixed.data.packing_mask
