@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from shardlib.models import count_params
 from shardlib.planner import resolve_auto
 from shardlib.reporting import NullReporter, Reporter
 from shardlib.run import goodput, watchdog
+from shardlib.run.guards import Guards
 from shardlib.train import comm, nonfinite
 from shardlib.train.comm_policy import Adaptive
 from shardlib.train.generate import generate
@@ -47,31 +47,6 @@ class TrainResult:
     stopped_by: str | None = None  # "SIGTERM"/"SIGINT" if a signal stopped it early
     checkpoint_step: int | None = None  # newest checkpoint on disk at the end
     halt_message: str | None = None  # why a non-finite loss/grad norm halted the run
-
-
-@dataclass
-class Guards:
-    """What watches a run (docs/when-runs-go-wrong.md): the phase timeline behind the
-    goodput figures, the hang watchdog, the non-finite tracker, and restart bookkeeping."""
-
-    timeline: goodput.Timeline
-    watchdog: watchdog.Watchdog
-    tracker: nonfinite.Tracker
-    progress_dir: str = ""  # checkpoint dir: the furthest finished step is noted there
-    furthest: int = 0  # the furthest step any run in it finished (steps <= it are rework)
-
-    def synced(self, rows: list[dict[str, Any]]) -> str | None:
-        """Rows just fetched: count non-finite steps, time the steps, note progress;
-        the halt reason if the run must stop."""
-        reason = self.tracker.check(rows)
-        bad = set(self.tracker.bad_steps)
-        if reason is not None:  # every step after the first bad one ran on a bad state
-            bad |= {r["step"] for r in rows if r["step"] >= self.tracker.bad_steps[0]}
-        self.timeline.settle([r["step"] for r in rows], lost_until=self.furthest, bad=bad)
-        rows[-1]["goodput"] = self.timeline.goodput()
-        if self.progress_dir and jax.process_index() == 0 and reason is None:
-            goodput.record_progress(self.progress_dir, max(self.furthest, rows[-1]["step"]))
-        return reason
 
 
 def evaluate(eval_step, params, val: data_lib.Batches | data_lib.Loader, setup: TrainSetup,
@@ -133,7 +108,7 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
             state, compile_s = _run(setup, state, result, reporter, checkpointer, stop,
                                     observer, loader, guards)
     except Exception:
-        _explain_hang(dog)
+        guards.explain_hang()
         raise
     finally:
         dog.close()
@@ -154,14 +129,6 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
     result.summary.update(timeline.summary())
     reporter.on_end(result.summary, result.sample)
     return result
-
-
-def _explain_hang(dog: watchdog.Watchdog) -> None:
-    """A multi-process run failed (e.g. gloo's collective timeout): name the processes
-    the heartbeats show silent or behind."""
-    line = dog.explain()
-    if line is not None:
-        print(f"shardlib train: error: {line}", file=sys.stderr, flush=True)
 
 
 def _loader(setup: TrainSetup, source: data_lib.Source, state: TrainState,
