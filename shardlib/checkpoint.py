@@ -32,6 +32,7 @@ import orbax.checkpoint as ocp
 
 from shardlib.config import CheckpointConfig, Config, to_dict
 from shardlib.errors import CheckpointError, DamagedCheckpointError, ShardlibError
+from shardlib.train.nonfinite import finite_flag
 from shardlib.train.state import TrainSetup, TrainState, abstract_state
 
 FILE_LIST = "shardlib_files.json"
@@ -120,6 +121,7 @@ class Checkpointer:
         self._jobs: queue.Queue = queue.Queue()  # saves for the hand-off thread
         self._worker: threading.Thread | None = None  # started by the first save
         self._handoff_error: Exception | None = None
+        self.refused: list[int] = []  # steps not saved: their state held a NaN/inf
         # step -> the data loader's state after that step (set by the training loop);
         # saved beside the state so --resume reads exactly the batches that come next
         self.data_state: Callable[[int], dict[str, Any]] | None = None
@@ -158,19 +160,21 @@ class Checkpointer:
             return
         self._manager.wait_until_finished()  # the file-list callback knows its step
         self._saving = step
+        finite = finite_flag(state)  # on device, before the next step may donate it
         items = {"state": ocp.args.PyTreeSave(host_copy(state) if copy else state),
                  "config": ocp.args.JsonSave(to_dict(config))}
         if self.data_state is not None:
             items["data"] = ocp.args.JsonSave(self.data_state(step))
         args = ocp.args.Composite(**items)
         if jax.process_count() > 1:  # orbax's cross-process barriers stay on this thread
-            self._manager.save(step, args=args, force=True)
+            if self._finite(step, finite):  # the same replicated flag on every process
+                self._manager.save(step, args=args, force=True)
         else:  # a waiting thread: starting one per save would stall on the GIL
             if self._worker is None:
                 self._worker = threading.Thread(target=self._hand_off, daemon=True,
                                                 name="shardlib-checkpoint")
                 self._worker.start()
-            self._jobs.put((step, args))
+            self._jobs.put((step, args, finite))
         if wait:
             self.wait()
 
@@ -181,11 +185,21 @@ class Checkpointer:
             try:
                 if job is None:
                     return
-                self._manager.save(job[0], args=job[1], force=True)
+                if self._finite(job[0], job[2]):
+                    self._manager.save(job[0], args=job[1], force=True)
             except Exception as err:  # re-raised on the training thread by _join()
                 self._handoff_error = err
             finally:
                 self._jobs.task_done()
+
+    def _finite(self, step: int, finite: jax.Array) -> bool:
+        """Read the state's finite flag; False (and a warning) refuses the save."""
+        if bool(finite):
+            return True
+        self.refused.append(step)
+        _warn(f"checkpoint step {step} not saved: its state holds non-finite values (NaN/inf); "
+              f"{self.directory} keeps only finite checkpoints")
+        return False
 
     def _join(self) -> None:
         """Wait until orbax has the queued save; raise its error, naming the step."""
@@ -295,17 +309,25 @@ class Checkpointer:
         return restored["state"]
 
     def restore_latest(self, setup: TrainSetup) -> TrainState | None:
-        """The newest checkpoint that restores, warning past damaged ones; None if empty."""
+        """The newest checkpoint that restores and holds only finite values, warning past
+        damaged or non-finite ones; None if empty."""
         damaged = []
         for step in reversed(self.steps()):
             try:
-                return self.restore(setup, step)
+                state = self.restore(setup, step)
             except DamagedCheckpointError as err:
                 _warn(f"{err}; falling back to an older checkpoint")
                 damaged.append(step)
+                continue
+            if bool(finite_flag(state)):
+                return state
+            _warn(f"checkpoint step {step} in {self.directory} holds non-finite values "
+                  "(NaN/inf); falling back to an older checkpoint")
+            damaged.append(step)
         if damaged:
-            raise CheckpointError(f"{self.directory}: every checkpoint is damaged (steps "
-                                  f"{', '.join(map(str, damaged))}); start without --resume")
+            raise CheckpointError(f"{self.directory}: every checkpoint is damaged or holds "
+                                  f"non-finite values (steps {', '.join(map(str, damaged))}); "
+                                  "start without --resume")
         return None
 
     def resolve_step(self, step: int | None) -> int:

@@ -137,6 +137,11 @@ class TrainConfig:
     sample_tokens: int = 120  # generated at the end of `shardlib train`; 0 disables
     sample_temperature: float = 0.8
     sample_top_k: int = 20
+    # Guardrails (shardlib.run.watchdog, shardlib.train.nonfinite; docs/when-runs-go-wrong.md)
+    hang_timeout_s: float = -1.0  # no step finished for this long: name the stuck process,
+    # dump stacks, exit non-zero. -1: max(300 s, 20 x the median step); 0: off
+    on_nonfinite: str = "halt"  # non-finite loss/grad norm: halt | skip (keep state, count)
+    max_skipped: int = 10  # skip: halt after this many non-finite steps in a row
 
 
 @dataclass(frozen=True)

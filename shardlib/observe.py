@@ -21,6 +21,7 @@ from shardlib.analysis.mfu import Peak, peak_flops
 from shardlib.config import TrainConfig
 from shardlib.errors import ConfigError
 from shardlib.reporting import Reporters
+from shardlib.run.goodput import fractions
 
 # metrics-row key -> TensorBoard tag
 SCALAR_TAGS = {
@@ -28,7 +29,7 @@ SCALAR_TAGS = {
     "loss_scale": "train/loss_scale", "skipped_steps": "train/skipped_steps",
     "eval_loss": "eval/loss", "tokens_per_sec": "perf/tokens_per_sec",
     "step_time_s": "perf/step_time_s", "mfu": "perf/mfu",
-    "memory_bytes": "memory/bytes_per_device",
+    "memory_bytes": "memory/bytes_per_device", "goodput": "perf/goodput",
 }
 
 
@@ -190,6 +191,8 @@ class TensorBoardReporter:
             return
         lines = [f"{key}: {value}" for key, value in summary.items()]
         self.writer.add_text("summary", "\n\n".join(lines))
+        for bucket, share in fractions(summary.get("time_breakdown_s") or {}).items():
+            self.writer.add_scalar(f"goodput/{bucket}", share, summary.get("steps", 0))
         self.writer.close()
 
 

@@ -19,6 +19,7 @@ from shardlib.analysis.tables import rules_line, sharding_table
 from shardlib.errors import ConfigError
 from shardlib.mesh import describe
 from shardlib.models.attention import describe as describe_attention
+from shardlib.run.goodput import format_breakdown
 from shardlib.train.setup import TrainSetup
 from shardlib.units import format_bytes
 
@@ -39,7 +40,9 @@ def summary_value(key: str, value: Any) -> str:
     """Bytes as KiB/MiB, MFU as a percentage, FLOP/s in TFLOP/s, floats with 4 decimals."""
     if key.endswith("_bytes") and isinstance(value, int):
         return format_bytes(value)
-    if key == "mfu" and isinstance(value, float):
+    if key == "time_breakdown_s" and isinstance(value, dict):
+        return format_breakdown(value)
+    if key in ("mfu", "goodput") and isinstance(value, float):
         return f"{value:.1%}"
     if key == "peak_flops" and isinstance(value, float):
         return f"{value / 1e12:,.3f} TFLOP/s"
@@ -108,7 +111,8 @@ class ConsoleReporter:
 
 
 class MetricsFile:
-    """JSON Lines, one object per optimizer step (process 0 only)."""
+    """JSON Lines, one object per optimizer step (process 0 only); the run summary
+    (goodput and its time breakdown included) goes beside it, to ``<stem>.summary.json``."""
 
     def __init__(self, path: str):
         self.path = Path(path)
@@ -126,7 +130,10 @@ class MetricsFile:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
 
-    def on_end(self, summary: dict[str, Any], sample: str) -> None: ...
+    def on_end(self, summary: dict[str, Any], sample: str) -> None:
+        if jax.process_index() == 0:
+            self.path.with_suffix(".summary.json").write_text(
+                json.dumps(summary, indent=1, default=str) + "\n")
 
 
 class Reporters:

@@ -121,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--keep", type=int, help="keep the newest K checkpoints (default 3)")
     train.add_argument("--resume", action="store_true", default=None, help="continue from the "
                        "newest good checkpoint in --checkpoint-dir (fresh start if none)")
+    train.add_argument("--hang-timeout", type=float, metavar="SECONDS", help="no step "
+                       "finished for this long: name the stuck process, dump stacks, exit 3 "
+                       "(default: max(300, 20 x the median step); 0: off)")
+    train.add_argument("--on-nonfinite", choices=("halt", "skip"), help="a NaN/inf loss or "
+                       "grad norm: halt (default, exit 4) or skip the step (state kept)")
     add_distributed_flags(train)
     add_launch_parser(sub)
     from shardlib.cli.data import add_data_parsers
@@ -155,6 +160,7 @@ FLAG_FIELDS = {  # CLI flag (argparse dest) -> (config section, field)
     "checkpoint_dir": ("checkpoint", "dir"), "checkpoint_every": ("checkpoint", "every"),
     "keep": ("checkpoint", "keep"), "resume": ("checkpoint", "resume"),
     "tokenizer": ("data", "tokenizer"),
+    "hang_timeout": ("train", "hang_timeout_s"), "on_nonfinite": ("train", "on_nonfinite"),
 }
 
 
@@ -238,6 +244,9 @@ def run_train(args: argparse.Namespace) -> int:
         from shardlib.distributed import ProcessLog
         reporters.append(ProcessLog(args.process_log_dir))
     result = train(config, devices=devices, reporter=Reporters(*reporters))
+    if result.halt_message:  # docs/when-runs-go-wrong.md
+        print(f"shardlib train: error: {result.halt_message}", file=sys.stderr, flush=True)
+        return NONFINITE_EXIT_STATUS
     if result.stopped_by:
         from shardlib.distributed import main_print
         main_print(f"stopped by {result.stopped_by}; checkpoint step {result.checkpoint_step} "
@@ -245,6 +254,9 @@ def run_train(args: argparse.Namespace) -> int:
                    flush=True)
         return 130 if result.stopped_by == "SIGINT" else 0
     return 0
+
+
+NONFINITE_EXIT_STATUS = 4  # a non-finite loss halted the run (a hang exits 3)
 
 
 def check_checkpoint_flags(args: argparse.Namespace, config: Config) -> None:

@@ -27,7 +27,9 @@ from shardlib.interop.hf import pretrained_state
 from shardlib.models import count_params
 from shardlib.planner import resolve_auto
 from shardlib.reporting import NullReporter, Reporter
-from shardlib.train import comm
+from shardlib.run import goodput, watchdog
+from shardlib.run.guards import Guards
+from shardlib.train import comm, nonfinite
 from shardlib.train.comm_policy import Adaptive
 from shardlib.train.generate import generate
 from shardlib.train.state import TrainSetup, TrainState, build_setup, init_state
@@ -44,6 +46,7 @@ class TrainResult:
     resumed_from: int | None = None  # checkpoint step the run continued from
     stopped_by: str | None = None  # "SIGTERM"/"SIGINT" if a signal stopped it early
     checkpoint_step: int | None = None  # newest checkpoint on disk at the end
+    halt_message: str | None = None  # why a non-finite loss/grad norm halted the run
 
 
 def evaluate(eval_step, params, val: data_lib.Batches | data_lib.Loader, setup: TrainSetup,
@@ -75,7 +78,11 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
     With ``config.checkpoint.dir`` set, it saves every ``checkpoint.every`` steps and at the
     end, resumes with ``checkpoint.resume``, and on SIGTERM/SIGINT saves and stops early.
     """
+    timeline = goodput.Timeline()
     reporter = observe.attach(reporter or NullReporter(), config.train)
+    nonfinite.check_config(config.train)
+    dog = watchdog.for_run(config.train.hang_timeout_s)
+    timeline.listeners.append(dog.on_phase)
     checkpointer = open_for_training(config.checkpoint)  # a bad directory fails first
     if config.mesh.auto:  # `--mesh auto`: the planner picks mesh, remat and microbatches
         config = resolve_auto(config, devices)
@@ -88,21 +95,38 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
     if state is None and config.train.init_from:  # fine-tune HF weights (resume wins)
         state = pretrained_state(setup, config.train.init_from)
     state = state if state is not None else init_state(setup, config.train.seed)
+    guards = Guards(timeline, dog, nonfinite.Tracker(config.train, setup.policy.loss_scaling),
+                    config.checkpoint.dir, goodput.read_progress(config.checkpoint.dir)
+                    if config.checkpoint.dir else 0)
     reporter.on_start(setup, {"params": count_params(config.model)})
     started = time.perf_counter()
     observer = observe.RunObserver(setup)
     loader = _loader(setup, source, state, checkpointer, result.resumed_from)
-    with StopSignals(enabled=checkpointer is not None) as stop:
-        state, compile_s = _run(setup, state, result, reporter, checkpointer, stop, observer,
-                                loader)
+    timeline.lap("startup")
+    try:
+        with StopSignals(enabled=checkpointer is not None) as stop:
+            state, compile_s = _run(setup, state, result, reporter, checkpointer, stop,
+                                    observer, loader, guards)
+    except Exception:
+        guards.explain_hang()
+        raise
+    finally:
+        dog.close()
     loader.close()
     result.state = state
     result.summary = summarize(result.history, compile_s, time.perf_counter() - started)
     result.summary.update(observer.summary(result.summary))  # MFU, peak memory, trace
     if checkpointer is not None:
-        _final_save(checkpointer, state, config, result)
-    result.sample = "" if result.stopped_by else _sample(setup, state, config.train,
-                                                         source.tokenizer)
+        with timeline.phase("checkpoint"):
+            _final_save(checkpointer, state, config, result)
+    if guards.tracker.reason is not None:
+        result.halt_message = nonfinite.halt_message(
+            guards.tracker.reason, config.checkpoint.dir, result.checkpoint_step)
+    with timeline.phase("sample"):
+        result.sample = "" if result.stopped_by else _sample(setup, state, config.train,
+                                                             source.tokenizer)
+    result.summary.update(guards.tracker.summary())
+    result.summary.update(timeline.summary())
     reporter.on_end(result.summary, result.sample)
     return result
 
@@ -130,14 +154,21 @@ def _eval_row(row: dict[str, Any], loss: float, loader: data_lib.Loader) -> None
 
 def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Reporter,
          checkpointer: Checkpointer | None, stop: StopSignals,
-         observer: observe.RunObserver, loader: data_lib.Loader) -> tuple[TrainState, float]:
+         observer: observe.RunObserver, loader: data_lib.Loader,
+         guards: Guards) -> tuple[TrainState, float]:
     """Compile, then step from ``state.step`` to ``train.steps``: log every ``log_every``
-    steps, save every ``checkpoint.every``, and stop before the next step on a signal."""
+    steps, save every ``checkpoint.every``, and stop before the next step on a signal
+    or a non-finite loss (``train.on_nonfinite``)."""
     tc = setup.config.train
+    timeline = guards.timeline
     first = next(loader)
+    timeline.lap("data")
     tick = time.perf_counter()
     step_fn = make_train_step(setup).lower(state, first).compile()
     compile_s = time.perf_counter() - tick
+    timeline.lap("compile")
+    _ = observer.peak  # a CPU peak is timed once (seconds): before the watchdog starts
+    guards.watchdog.start(int(state.step))
     observer.on_compiled(step_fn)
     adapt = _adaptive(setup, state, first, step_fn)  # comm.policy: None unless on
     keep_fn = _keeping_step(setup, state, first, checkpointer)
@@ -152,40 +183,57 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
         if stop.requested(step, tc.log_every):
             result.stopped_by = stop.signal
             break
-        batch = first if step == first_step else next(loader)
+        with timeline.phase("data"):
+            batch = first if step == first_step else next(loader)
         observer.profiler.before_step(step, state)
-        state, metrics = (after_save or step_fn)(state, batch)
-        to_save = _hand_over(checkpointer, to_save, setup)  # once the next step runs
+        with timeline.phase("step"):
+            state, metrics = (after_save or step_fn)(state, batch)
+            guards.watchdog.dispatched(step, metrics["loss"])
+        with timeline.phase("checkpoint"):
+            to_save = _hand_over(checkpointer, to_save, setup)  # once the next step runs
         if serial:  # see _serial_steps
-            jax.block_until_ready(metrics)
+            with timeline.phase("step"):
+                jax.block_until_ready(metrics)
         observer.profiler.after_step(step, state)
         pending.append((step, metrics))
         after_save = None
         if checkpointer is not None and checkpointer.should_save(step):
-            after_save = keep_fn()  # the next step keeps the saved state: no copy needed
-            if after_save is None:
-                checkpointer.save(step, state, setup.config, copy=True)
-            else:
-                to_save = (step, state)
+            with timeline.phase("checkpoint"):
+                after_save = keep_fn()  # the next step keeps the saved state: no copy needed
+                if after_save is None:
+                    checkpointer.save(step, state, setup.config, copy=True)
+                else:
+                    to_save = (step, state)
         do_eval = tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.steps)
         due = adapt is not None and adapt.due(step)
         if do_eval or due or step % tc.log_every == 0 or step == tc.steps:
-            rows = _rows(pending, tick, tokens)
+            with timeline.phase("sync"):
+                rows = _rows(pending, tick, tokens)
+            halt = guards.synced(rows)
             if loader.state()["epoch"] is not None:
                 rows[-1]["epoch"] = loader.state()["epoch"]
-            if do_eval:
-                _eval_row(rows[-1], evaluate(eval_step, state.params, loader, setup,
-                                             tc.eval_batches), loader)
+            if do_eval and halt is None:
+                with timeline.phase("eval"):
+                    _eval_row(rows[-1], evaluate(eval_step, state.params, loader, setup,
+                                                 tc.eval_batches), loader)
             if adapt is not None:
                 adapt.annotate(rows)
-            if due:
-                state, step_fn, changed = adapt.adjust(rows, result.history, state, step_fn)
+            if due and halt is None:
+                with timeline.phase("compile"):
+                    state, step_fn, changed = adapt.adjust(rows, result.history, state, step_fn)
                 keep_fn = (lambda: None) if changed else keep_fn  # compiled for the old one
-            _report(result, reporter, observer.annotate(rows))
+            with timeline.phase("report"):
+                _report(result, reporter, observer.annotate(rows))
             pending, tick = [], time.perf_counter()
-    _hand_over(checkpointer, to_save, setup)
+            if halt is not None:
+                result.stopped_by = "non-finite"
+                break
+    with timeline.phase("checkpoint"):
+        _hand_over(checkpointer, to_save, setup)
     if pending:  # stopped by a signal between two log steps
-        rows = _rows(pending, tick, tokens)
+        with timeline.phase("sync"):
+            rows = _rows(pending, tick, tokens)
+        guards.synced(rows)
         _report(result, reporter, observer.annotate(rows))
     return state, compile_s
 
@@ -246,7 +294,7 @@ def _final_save(checkpointer: Checkpointer, state: TrainState, config: Config,
                 result: TrainResult) -> None:
     """Save the last state (unless it is saved already), wait for every write to finish."""
     step = int(state.step)
-    if step > 0:
+    if step > 0 and result.stopped_by != "non-finite":  # a halted run's state is not saved
         checkpointer.save(step, state, config)
     checkpointer.close()
     result.checkpoint_step = checkpointer.latest_step()

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlib import precision
 from shardlib.errors import ConfigError
-from shardlib.train import comm, diloco, pipeline
+from shardlib.train import comm, diloco, nonfinite, pipeline
 from shardlib.train.objective import (  # noqa: F401  (loss_fn, model_loss: public here too)
     Batch,
     Metrics,
@@ -112,6 +112,15 @@ def train_step(setup: TrainSetup, state: TrainState, batch: Batch) -> tuple[Trai
     return new_state, metrics
 
 
+def guarded_train_step(setup: TrainSetup, state: TrainState,
+                       batch: Batch) -> tuple[TrainState, Metrics]:
+    """``train_step`` under the ``train.on_nonfinite`` policy (``train.nonfinite``): with
+    ``skip`` a step with a NaN/inf loss or grad norm keeps the old state."""
+    new_state, metrics = train_step(setup, state, batch)
+    return nonfinite.guard_step(setup.config.train, setup.policy.loss_scaling, state,
+                                new_state, metrics), metrics
+
+
 def lr_at(setup: TrainSetup, step: jax.Array) -> jax.Array:
     """The learning rate at optimizer step ``step``."""
     return lr_schedule(setup.config.optim, setup.config.train.steps)(step)
@@ -124,7 +133,7 @@ def make_train_step(setup: TrainSetup, *, donate: bool = True
     checkpoint still reading it."""
     batch_sh = setup.batch_sharding  # every batch key (inputs, targets, segment_ids, ...)
     return jax.jit(
-        lambda state, batch: train_step(setup, state, batch),
+        lambda state, batch: guarded_train_step(setup, state, batch),
         in_shardings=(setup.state_shardings, batch_sh),
         out_shardings=(setup.state_shardings, None),
         donate_argnums=(0,) if donate else (),

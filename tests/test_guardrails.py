@@ -1,0 +1,352 @@
+"""Runs that guard themselves (docs/when-runs-go-wrong.md): a run driven to NaN halts
+with one line and leaves only finite checkpoints; ``--resume`` continues from the last
+finite one and passes over a hand-corrupted one; ``skip`` keeps the state of a bad step
+(DiLoCo too); goodput's buckets cover the wall time; a stuck step is reported with its
+stacks, and under ``shardlib launch`` a SIGSTOPped process is named by the other.
+
+Small on purpose: the tiny model, 8 x 32 tokens, one diverging run shared by the
+checkpoint tests, and one two-process launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from shardlib import data as data_lib
+from shardlib.checkpoint import Checkpointer, CheckpointWarning, leaf_path
+from shardlib.cli import NONFINITE_EXIT_STATUS, main
+from shardlib.config import CheckpointConfig, CommConfig, MeshConfig
+from shardlib.observe import read_scalars
+from shardlib.run import watchdog
+from shardlib.run.goodput import PROGRESS_FILE, Timeline, fractions
+from shardlib.run.loop import train
+from shardlib.train import nonfinite
+from shardlib.train.state import build_setup, init_state
+from shardlib.train.step import make_train_step
+from tests.helpers import tiny_config
+
+RUN = ["train", "--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--data",
+       "synthetic", "--log-every", "1", "--set", "optim.warmup_steps=0",
+       "train.eval_every=0", "train.sample_tokens=0"]
+HUGE_LR = "1e4"  # Adam at this rate blows the tiny model up within a few steps
+HALT = re.compile(r"shardlib train: error: non-finite loss \S+, grad_norm \S+ at step (\d+) "
+                  r"\(--on-nonfinite halt\); halted without saving it; last good checkpoint: "
+                  r"step (\d+) in (\S+); continue with --resume")
+
+
+def finite_steps(directory: Path) -> dict[int, bool]:
+    """Saved step -> does every float array in it hold only finite values (read raw)."""
+    checkpointer = Checkpointer(directory, read_only=True)
+    setup = build_setup(tiny_config(MeshConfig()))
+    out = {}
+    for step in checkpointer.steps():
+        leaves = jax.tree.leaves(checkpointer.restore(setup, step))
+        out[step] = all(np.isfinite(np.asarray(x)).all() for x in leaves
+                        if np.issubdtype(np.asarray(x).dtype, np.floating))
+    return out
+
+
+@pytest.fixture(scope="module")
+def diverged(tmp_path_factory):
+    """``--lr 1e4 --checkpoint-every 1``: (exit status, stderr, checkpoint dir)."""
+    directory = tmp_path_factory.mktemp("diverged") / "ckpt"
+    err = io.StringIO()
+    with pytest.warns(CheckpointWarning, match="not saved: its state holds non-finite"), \
+            contextlib.redirect_stderr(err):
+        rc = main([*RUN, "--steps", "12", "--lr", HUGE_LR, "--checkpoint-dir", str(directory),
+                   "--checkpoint-every", "1", "--keep", "3"])
+    return rc, err.getvalue(), directory
+
+
+def test_diverging_run_halts_and_keeps_only_finite_checkpoints(diverged):
+    """The halt line names the first bad step and the newest checkpoint, which is the
+    step before it; every checkpoint on disk is finite (the bad step's save was refused)."""
+    rc, err, directory = diverged
+    match = HALT.search(err)
+    assert rc == NONFINITE_EXIT_STATUS and match, err[-2000:]
+    bad, good = int(match.group(1)), int(match.group(2))
+    steps = finite_steps(directory)
+    assert max(steps) == good == bad - 1 and all(steps.values()), steps
+    progress = json.loads((directory / PROGRESS_FILE).read_text())["step"]
+    assert progress == good  # the furthest good step, for the next run's restart figure
+
+
+def test_resume_continues_from_the_last_finite_step(diverged, tmp_path, capsys):
+    """--resume starts at the step after the last finite checkpoint. Its next batch
+    brings the same NaN back (loss and gradients there depend only on that state), so
+    the guard halts again at the same step with the same line: deterministic."""
+    _, err, source = diverged
+    bad, good = map(int, HALT.search(err).groups()[:2])
+    directory = Path(shutil.copytree(source, tmp_path / "ckpt"))
+    metrics = tmp_path / "m.jsonl"
+    with pytest.warns(CheckpointWarning):
+        rc = main([*RUN, "--steps", "12", "--lr", HUGE_LR, "--checkpoint-dir", str(directory),
+                   "--checkpoint-every", "1", "--resume", "--metrics-file", str(metrics)])
+    again = HALT.search(capsys.readouterr().err)
+    assert rc == NONFINITE_EXIT_STATUS and again and again.groups()[:2] == (str(bad), str(good))
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert rows[0]["step"] == good + 1
+    summary = json.loads(metrics.with_suffix(".summary.json").read_text())
+    assert summary["resumed_from_step"] == good and summary["first_nonfinite_step"] == bad
+    assert 0 <= summary["goodput"] < 1 and summary["time_breakdown_s"]["nonfinite_lost"] > 0
+
+
+def corrupt_one_array(directory: Path, step: int) -> str:
+    """Write a NaN over the first element of ``params.embed.w_vd`` in the step's data
+    files (same size: the file list still matches); return the array's path."""
+    checkpointer = Checkpointer(directory, read_only=True)
+    state = checkpointer.restore(build_setup(tiny_config(MeshConfig())), step)
+    for keys, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if leaf_path(keys) == "params.embed.w_vd":
+            needle = np.asarray(leaf).tobytes()[:64]
+    for path in (directory / str(step) / "state").rglob("*"):
+        data = path.read_bytes() if path.is_file() else b""
+        at = data.find(needle)
+        if at >= 0:
+            path.write_bytes(data[:at] + np.float32(np.nan).tobytes() + data[at + 4:])
+            return "params.embed.w_vd"
+    raise AssertionError("the array's bytes are not in the checkpoint files")
+
+
+def test_corrupted_checkpoint_is_skipped_on_resume(diverged, tmp_path):
+    _, _, source = diverged
+    directory = Path(shutil.copytree(source, tmp_path / "ckpt"))
+    steps = sorted(finite_steps(directory))
+    corrupt_one_array(directory, steps[-1])
+    assert finite_steps(directory)[steps[-1]] is False  # the NaN reads back
+    setup = build_setup(tiny_config(MeshConfig()))
+    with pytest.warns(CheckpointWarning, match=f"step {steps[-1]} in .* holds non-finite "
+                      "values"):
+        state = Checkpointer(directory).restore_latest(setup)
+    assert int(state.step) == steps[-2]
+
+
+def test_save_refuses_a_non_finite_state(tmp_path):
+    config = tiny_config(MeshConfig())
+    setup = build_setup(config)
+    state = init_state(setup, 0)
+    state = dataclasses.replace(state, params=jax.tree.map(
+        lambda x: x.at[(0,) * x.ndim].set(np.inf) if x.ndim == 2 else x, state.params))
+    checkpointer = Checkpointer(tmp_path / "ckpt")
+    with pytest.warns(CheckpointWarning, match="step 5 not saved"):
+        checkpointer.save(5, state, config, wait=True)
+    checkpointer.close()
+    assert checkpointer.steps() == [] and checkpointer.refused == [5]
+
+
+@pytest.mark.parametrize("comm", [CommConfig(), CommConfig(diloco=True, sync_interval=2)],
+                         ids=["plain", "diloco"])
+def test_skip_keeps_the_state_of_a_bad_step(comm):
+    """Under ``skip`` the step that first goes non-finite returns its input state (params,
+    optimizer, DiLoCo replicas) bitwise, with the step counter moved on."""
+    config = tiny_config(MeshConfig(data=2, fsdp=4) if comm.diloco else MeshConfig(), steps=12)
+    config = dataclasses.replace(
+        config, comm=comm, optim=dataclasses.replace(config.optim, lr=float(HUGE_LR)),
+        train=dataclasses.replace(config.train, on_nonfinite="skip"))
+    setup = build_setup(config)
+    batches, _ = data_lib.make_batches("synthetic", 8, 32, 0)
+    step_fn = make_train_step(setup, donate=False)
+    state = init_state(setup, 0)
+    for i in range(12):
+        new, metrics = step_fn(state, data_lib.global_batch(batches, i, setup.batch_sharding))
+        if not (np.isfinite(float(metrics["loss"])) and np.isfinite(float(metrics["grad_norm"]))):
+            break
+        state = new
+    else:
+        raise AssertionError("no step went non-finite")
+    assert int(new.step) == int(state.step) + 1
+    kept = (new.params, new.opt_state, new.comm)
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves((state.params, state.opt_state,
+                                                            state.comm)), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert bool(nonfinite.finite_flag(new))
+
+
+def test_skip_policy_counts_and_halts_after_max_skipped(tmp_path):
+    config = tiny_config(MeshConfig(), steps=30)
+    config = dataclasses.replace(
+        config, optim=dataclasses.replace(config.optim, lr=float(HUGE_LR)),
+        train=dataclasses.replace(config.train, on_nonfinite="skip", max_skipped=3,
+                                  log_every=4))
+    result = train(config)
+    assert result.stopped_by == "non-finite"
+    assert "3 non-finite steps in a row skipped (train.max_skipped=3)" in result.halt_message
+    assert result.summary["nonfinite_steps"] >= 3
+    assert bool(nonfinite.finite_flag(result.state))  # skipped steps left the state finite
+    assert "goodput" in result.summary  # a halted run still reports where its time went
+
+
+def test_goodput_covers_the_wall_time_and_counts_recomputed_steps(tmp_path):
+    """Run 3 steps (saves at 2 and 3), lose checkpoint 3 as a crash would, resume to 5:
+    step 3 is rework; the buckets add up to the wall time of ``train()``."""
+    directory = tmp_path / "ckpt"
+    config = tiny_config(MeshConfig(), steps=3)
+    config = dataclasses.replace(config, checkpoint=CheckpointConfig(dir=str(directory),
+                                                                      every=2))
+    train(config)
+    shutil.rmtree(directory / "3")
+    resumed = dataclasses.replace(
+        config, checkpoint=dataclasses.replace(config.checkpoint, resume=True),
+        train=dataclasses.replace(config.train, steps=5, log_every=1,
+                                  tensorboard_dir=str(tmp_path / "tb")))
+    start = time.perf_counter()
+    result = train(resumed)
+    wall = time.perf_counter() - start
+    summary = result.summary
+    seconds = summary["time_breakdown_s"]
+    assert result.resumed_from == 2
+    assert abs(sum(seconds.values()) - wall) <= 0.02 * wall, (seconds, wall)
+    assert abs(sum(fractions(seconds).values()) - 1) < 1e-9
+    assert seconds["restart_lost"] > 0 and seconds["productive"] > 0
+    # step 3 recomputed, 4-5 new: each sync settles the step time it covered
+    assert summary["goodput"] == pytest.approx(seconds["productive"] / sum(seconds.values()))
+    assert result.history[-1]["goodput"] > 0
+    scalars = read_scalars(str(tmp_path / "tb"))
+    assert len(scalars["perf/goodput"]) == 3  # one per sync
+    assert scalars["goodput/productive"][0][1] == pytest.approx(summary["goodput"], rel=1e-6)
+
+
+def test_timeline_nests_phases_exclusively():
+    timeline = Timeline()
+    with timeline.phase("checkpoint"):
+        time.sleep(0.02)
+        with timeline.phase("data"):
+            time.sleep(0.03)
+    with timeline.phase("step"):
+        time.sleep(0.02)
+    timeline.settle([1, 2], lost_until=1)
+    seconds = timeline.breakdown()
+    assert 0.02 <= seconds["checkpoint"] < 0.03 and 0.03 <= seconds["input_wait"] < 0.045
+    assert seconds["restart_lost"] == pytest.approx(seconds["productive"])
+
+
+def test_stuck_step_is_reported_with_stacks(monkeypatch):
+    """A step whose main thread never comes back (the test hook): after --hang-timeout
+    the watchdog reports it with every thread's stack (here the report releases it)."""
+    reports = []
+
+    def record(report: watchdog.Report) -> None:
+        reports.append(report)
+        watchdog._stall_release.set()
+
+    monkeypatch.setattr(watchdog, "exit_on_hang", record)
+    monkeypatch.setenv(watchdog.STALL_ENV, "3")
+    watchdog._stall_release.clear()
+    config = tiny_config(MeshConfig(), steps=4)
+    config = dataclasses.replace(config, train=dataclasses.replace(
+        config.train, hang_timeout_s=2.5, log_every=1))
+    safety = threading.Timer(300, watchdog._stall_release.set)  # never hang the suite
+    safety.start()
+    try:
+        result = train(config)
+    finally:
+        safety.cancel()
+    assert len(reports) == 1
+    line = reports[0].line
+    assert re.search(r"^hang: no step finished for \d+ s \(--hang-timeout 2.5\); process 0 "
+                     r"last finished step 3 and is in phase 'step' on the host", line), line
+    assert "Thread MainThread" in reports[0].stacks and "in dispatched" in reports[0].stacks
+    assert result.history[-1]["step"] == 4  # released, the run went on
+
+
+class FakeStore:
+    def __init__(self):
+        self.values: dict[str, str] = {}
+
+    def put(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def all(self) -> dict[str, str]:
+        return dict(self.values)
+
+
+def peer(step: int, phase: str = "sync", pending: int = 1, phase_s: float = 0.0) -> dict:
+    return {"step": step, "phase": phase, "beat": 0, "phase_s": phase_s, "pending": pending,
+            "host": "h", "pid": 1, "done": False}
+
+
+@pytest.mark.parametrize("peers, named, text", [
+    ({0: (peer(7), 0), 1: (peer(7), 9)}, [1], "process 1 (host h, pid 1) last finished step 7 "
+     "and has sent no heartbeat for 9 s"),
+    ({0: (peer(7), 0), 1: (peer(6, "data", 0, 8.0), 0)}, [1], "process 1 (host h) is behind: "
+     "last finished step 6, in phase 'data'"),
+    ({0: (peer(7), 0), 1: (peer(7), 0)}, [], "every process is waiting in the same step"),
+])
+def test_heartbeats_name_the_process_behind(peers, named, text):
+    dog = watchdog.Watchdog(4.0, store=FakeStore())
+    now = time.monotonic()
+    dog.last_step = 7
+    dog.peers = {i: watchdog.Peer(status, now - quiet) for i, (status, quiet) in peers.items()}
+    report = dog.report(5.0)
+    assert report.stuck == named and text in report.line, report.line
+
+
+def test_silent_coordinator_is_named():
+    dog = watchdog.Watchdog(4.0, store=FakeStore())
+    dog.exchanged = time.monotonic() - 10
+    assert "the coordination service (process 0) has not answered" in dog.report(5.0).line
+
+
+# -- two processes: one stopped with SIGSTOP ------------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def test_sigstopped_process_is_named_and_everything_exits():
+    """`shardlib launch` 2 x 4 devices; once steps run, process 1 gets SIGSTOP: process 0
+    names it and exits 3, the launcher ends the rest and repeats the line, within the
+    timeout plus 30 s; no process is left."""
+    timeout = 5
+    cmd = [sys.executable, "-m", "shardlib", "launch", "--processes", "2",
+           "--devices-per-process", "4", "--grace", "2", "--", *RUN, "--steps", "100000",
+           "--lr", "1e-3", "--mesh", "data=8", "--hang-timeout", str(timeout)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        first = proc.stdout.readline()
+        pids = [int(p) for p in re.search(r"pids (\d+) (\d+)$", first).groups()]
+        for line in proc.stdout:  # wait until process 0 has logged a few steps
+            lines.append(line)
+            if re.match(r"\[p0\] step +5/", line):
+                break
+        os.kill(pids[1], signal.SIGSTOP)
+        stopped = time.monotonic()
+        rest = proc.communicate(timeout=timeout + 60)[0]
+        elapsed = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in locals().get("pids", []):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode != 0 and elapsed < timeout + 30, (proc.returncode, elapsed)
+    final = rest.strip().splitlines()[-1]
+    assert final.startswith("shardlib launch: error: process 0 exited with status 3"), final
+    assert re.search(r"hang: no step finished for \d+ s \(--hang-timeout 5\); process 0 last "
+                     r"finished step \d+ and is .*; process 1 \(host \S+, pid \d+\) last "
+                     r"finished step \d+ and has sent no heartbeat", final), final
+    assert "Python stacks of process 0" in rest and "Thread MainThread" in rest
+    assert not [pid for pid in pids if _alive(pid)]
