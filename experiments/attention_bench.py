@@ -2,7 +2,7 @@
 
 For each sequence length, one device, batch 1, small heads (default 4 heads of 32): the
 gradient of sum(attention(q, k, v)) w.r.t. q, k and v, jitted, with the textbook kernel
-(``attention.kernel=xla``: the (B, H, T, T) scores materialised) and the chunked one
+(``attention.impl=xla``: the (B, H, T, T) scores materialised) and the chunked one
 (``chunked``: ``models.flash``, blocks of ``--chunk``). It prints XLA's compiled
 temporaries (``memory_analysis().temp_size_in_bytes``: what the step allocates beyond
 its inputs and outputs), their ratio, and the median step time of ``--rounds`` runs.
@@ -21,7 +21,7 @@ and the model-level MFU with each kernel (one H100, a ~350M model in bf16):
     for k in xla chunked cudnn; do python experiments/bench.py --device-counts 1 \\
         --strategies dp --precision bf16 --layers 24 --batch-size 8 --seq-len 2048 \\
         --set model.d_model=1024 model.num_heads=16 model.d_ff=4096 \\
-        model.max_seq_len=2048 attention.kernel=$k --out /tmp/bench_$k; done
+        model.max_seq_len=2048 attention.impl=$k --out /tmp/bench_$k; done
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ class AttentionConfig:
     # The local kernel (shardlib.models.attention): xla (textbook, O(T^2) scores) | chunked
     # (flash-style online softmax, O(T * chunk) memory) | cudnn (GPU, bf16/fp16) | auto
     # (cudnn on GPU in bf16/fp16, chunked from T >= 1024, else xla)
-    kernel: str = "xla"
+    impl: str = "xla"
     chunk: int = 512  # the chunked kernel's query and key block, in tokens
 
 

@@ -66,7 +66,7 @@ class ConsoleReporter:
         self.console.print(describe(setup.mesh))
         self.console.print(rules_line(setup))
         self.console.print(describe_attention(
-            setup.config.attention.kernel, seq_len=setup.config.train.seq_len,
+            setup.config.attention.impl, seq_len=setup.config.train.seq_len,
             dtype=setup.policy.compute, head_dim=model.head_dim))
         self.console.print(f"model {model.name}: {info['params']:,} parameters, "
                            f"{model.num_layers} layers, d_model {model.d_model}")

@@ -108,9 +108,9 @@ def test_auto_rule():
 
 
 @pytest.mark.parametrize("attn, match", [
-    (AttentionConfig(kernel="flash"), "attention.kernel='flash'"),
-    (AttentionConfig(kernel="cudnn"), "attention.kernel=cudnn needs a GPU"),
-    (AttentionConfig(kernel="chunked", chunk=0), "attention.chunk=0"),
+    (AttentionConfig(impl="flash"), "attention.impl='flash'"),
+    (AttentionConfig(impl="cudnn"), "attention.impl=cudnn needs a GPU"),
+    (AttentionConfig(impl="chunked", chunk=0), "attention.chunk=0"),
 ])
 def test_bad_kernel_choice_is_a_config_error(attn, match):
     config = dataclasses.replace(tiny_config(MeshConfig(data=1)), attention=attn)
@@ -171,7 +171,7 @@ def test_chunked_on_mesh_matches_textbook_on_one_device():
     ref_cfg = tiny_config(MeshConfig(data=1), num_kv_heads=2)
     mesh_cfg = dataclasses.replace(tiny_config(MeshConfig(data=2, fsdp=2, tensor=2),
                                                num_kv_heads=2),
-                                   attention=AttentionConfig(kernel="chunked", chunk=8))
+                                   attention=AttentionConfig(impl="chunked", chunk=8))
     ref_loss, ref_grads = grads_of(ref_cfg, batch, 1)
     loss, grads = grads_of(mesh_cfg, batch, 8)
     assert abs(loss - ref_loss) <= TOL * abs(ref_loss)

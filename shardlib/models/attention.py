@@ -1,4 +1,4 @@
-"""Attention kernels behind one function, picked by ``attention.kernel``.
+"""Attention kernels behind one function, picked by ``attention.impl``.
 
 - ``xla`` (default): the textbook kernel: materialises the (B, H, T, S) scores in fp32,
   softmax, then the weighted sum. Fast for short sequences; O(T^2) memory.
@@ -42,11 +42,11 @@ HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 def check_kernel(kernel: str, chunk: int, *, backend: str) -> None:
     """ConfigError naming the field, the value and the fix, or nothing."""
     if kernel not in KERNELS:
-        raise ConfigError(f"attention.kernel={kernel!r}: unknown kernel; use one of "
-                          f"{', '.join(KERNELS)} (e.g. --set attention.kernel=chunked)")
+        raise ConfigError(f"attention.impl={kernel!r}: unknown kernel; use one of "
+                          f"{', '.join(KERNELS)} (e.g. --set attention.impl=chunked)")
     if kernel == "cudnn" and backend != "gpu":
-        raise ConfigError(f"attention.kernel=cudnn needs a GPU, but JAX's backend is "
-                          f"{backend!r}; use attention.kernel=chunked (long sequences) or xla, "
+        raise ConfigError(f"attention.impl=cudnn needs a GPU, but JAX's backend is "
+                          f"{backend!r}; use attention.impl=chunked (long sequences) or xla, "
                           "or auto (picks cudnn on GPU)")
     if chunk < 1:
         raise ConfigError(f"attention.chunk={chunk}: the chunked kernel's block must be >= 1 "
@@ -63,10 +63,10 @@ def resolve(kernel: str, *, backend: str, seq_len: int, dtype, head_dim: int) ->
 
 
 def describe(kernel: str, *, seq_len: int, dtype, head_dim: int) -> str:
-    """One start-up line saying what ``attention.kernel`` runs on this backend."""
+    """One start-up line saying what ``attention.impl`` runs on this backend."""
     backend = jax.default_backend()
     chosen = resolve(kernel, backend=backend, seq_len=seq_len, dtype=dtype, head_dim=head_dim)
-    return (f"attention: {chosen} kernel (attention.kernel={kernel}; {backend}, "
+    return (f"attention: {chosen} kernel (attention.impl={kernel}; {backend}, "
             f"{jnp.dtype(dtype).name}, T={seq_len})")
 
 
@@ -151,9 +151,9 @@ def cudnn_attention(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
                     causal: bool = True, segment_ids: jax.Array | None = None) -> jax.Array:
     """cuDNN flash attention (GPU, bf16/fp16); documents become a (B, 1, T, S) mask."""
     if jnp.dtype(q_bthk.dtype) not in HALF:
-        raise ConfigError(f"attention.kernel=cudnn: cuDNN flash attention takes bf16/fp16, "
+        raise ConfigError(f"attention.impl=cudnn: cuDNN flash attention takes bf16/fp16, "
                           f"the compute dtype here is {jnp.dtype(q_bthk.dtype).name}; use "
-                          "precision.policy=bf16, or attention.kernel=chunked/xla/auto")
+                          "precision.policy=bf16, or attention.impl=chunked/xla/auto")
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]

@@ -169,7 +169,7 @@ class Attention(nnx.Module):
             k_bthk, v_bthk = (constrain(jnp.repeat(a, groups, axis=2), heads)
                               for a in (k_bthk, v_bthk))
         # ring / ulysses / allgather over `sequence` when context parallelism is on; else
-        # the kernel the step chose (attention.kernel), with the documents' mask
+        # the kernel the step chose (attention.impl), with the documents' mask
         local = partial(gathered_kv_attention, segment_ids=docs.segment_ids)
         out_bthk = hooks.attention(q_bthk, k_bthk, v_bthk, local=local,
                                    segment_ids=docs.segment_ids)

@@ -36,7 +36,7 @@ def model_loss(setup: TrainSetup, rules: Rules, params: nnx.State,
     model = nnx.merge(setup.graphdef, gather_outside_layers(params))  # FSDP: see hooks
     attn = setup.config.attention
     with (activation_rules(setup.mesh, rules), context.context_parallel(cp_method),
-          using_kernel(attn.kernel, attn.chunk)):
+          using_kernel(attn.impl, attn.chunk)):
         logits_btv, moe_stats = model.forward(batch["inputs"], batch.get("segment_ids"),
                                               batch.get("positions"))
     logits_btv = logits_btv.astype(setup.policy.output)

@@ -130,7 +130,7 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None) -> Trai
     check_context_parallel(config.attention.context_parallel, sizes=sizes,
                            num_heads=config.model.num_heads, seq_len=config.train.seq_len)
     check_pipeline(config, sizes)
-    check_kernel(config.attention.kernel, config.attention.chunk,
+    check_kernel(config.attention.impl, config.attention.chunk,
                  backend=devices[0].platform if devices else jax.default_backend())
     comm_lib.check_comm(config.comm, sizes, zero=config.mesh.zero,
                         loss_scaling=policy.loss_scaling)
