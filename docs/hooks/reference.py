@@ -4,6 +4,8 @@
   parser that ``shardlib.cli.build_parser`` builds (help, choices, defaults).
 - ``reference/config.md``: every config section and field, read from the dataclasses in
   ``shardlib.config`` (type, default, and the comment beside the field in the source).
+  Both exist on disk only as stubs (``<!-- generated -->`` and a line on where the real
+  page comes from, for readers on GitHub); the hook replaces their bodies.
 - Links from a page to a file outside ``docs/`` (``../experiments/results/x.png``,
   ``../shardlib/parallel/context.py``) keep working on GitHub as written; on the site an
   image under ``experiments/results/`` is copied in, and any other file becomes a link to
@@ -49,7 +51,8 @@ def _cell(text: object) -> str:
 
 
 def _flag_row(action: argparse.Action) -> str:
-    names = ", ".join(f"`{s}`" for s in action.option_strings) or f"`{action.metavar or action.dest}`"
+    names = (", ".join(f"`{s}`" for s in action.option_strings)
+             or f"`{action.metavar or action.dest}`")
     if action.choices:
         value = " \\| ".join(f"`{c}`" for c in action.choices)
     elif action.nargs == 0:
@@ -173,12 +176,15 @@ def config_page() -> str:
 # --- mkdocs events -----------------------------------------------------------------------
 
 GENERATED = {"reference/cli.md": cli_page, "reference/config.md": config_page}
+STUB = "<!-- generated -->"  # a page on disk whose body the hook replaces (GitHub shows the stub)
 
 
 def on_files(files: Files, config) -> Files:
-    """Add the generated reference pages and the result images pages link to."""
-    for uri, make in GENERATED.items():
-        files.append(File.generated(config, uri, content=make()))
+    """Add the generated reference pages (unless a stub is on disk) and the result images
+    pages link to."""
+    for uri in GENERATED:
+        if files.get_file_from_path(uri) is None:
+            files.append(File.generated(config, uri, content=f"{STUB}\n"))
     for png in sorted(RESULTS.glob("*.png")):
         files.append(File.generated(config, f"{ASSETS}/{png.name}", abs_src_path=str(png)))
     return files
@@ -188,8 +194,14 @@ LINK = re.compile(r"(!?\[[^\]]*\]\()((?:\.\./)+[^)\s#]+)(#[^)\s]*)?\)")
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    """Rewrite links that leave ``docs/``: result images to the copied assets, other
-    repository files to ``repo_url``; warn (strict: fail) on a file that does not exist."""
+    """The generated reference pages' bodies; then rewrite links that leave ``docs/``:
+    result images to the copied assets, other repository files to ``repo_url``; warn
+    (strict: fail) on a file that does not exist."""
+    if page.file.src_uri in GENERATED:
+        if STUB not in markdown:
+            log.warning("%s: generated page; keep only its stub (%s) on disk",
+                        page.file.src_uri, STUB)
+        markdown = GENERATED[page.file.src_uri]()
     src_dir = posixpath.dirname(page.file.src_uri)
     docs_rel = posixpath.join("docs", src_dir)
     up = "../" * (src_dir.count("/") + 1) if src_dir else ""
