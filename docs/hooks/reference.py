@@ -91,13 +91,15 @@ def cli_page() -> str:
            "`--set section.field=value` (see [config fields](config.md)), which wins over "
            "the plain flags.", ""]
     for name, help_text, sub in _subcommands(parser):
-        out += [f"## `shardlib {name}`", "", f"{help_text}.", "",
+        out += [f"## `shardlib {name}`", "", help_text.rstrip(".") + ".", "",
                 "```text", sub.format_usage().strip(), "```", ""]
         for group in sub._action_groups:
             actions = [a for a in group._group_actions if not isinstance(a, argparse._HelpAction)]
             if not actions:
                 continue
-            if group.title not in ("options", "optional arguments", "positional arguments"):
+            if group.title == "positional arguments":
+                out += ["**arguments**", ""]
+            elif group.title not in ("options", "optional arguments"):
                 out += [f"**{group.title}**", ""]
             out += _actions_table(actions)
         if sub.epilog:
