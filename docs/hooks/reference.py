@@ -50,7 +50,10 @@ def _cell(text: object) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def _flag_row(action: argparse.Action) -> str:
+CONFIG_COMMANDS = ("shardlib train", "shardlib inspect", "shardlib plan")  # config_from_args
+
+
+def _flag_row(action: argparse.Action, maps_config: bool) -> str:
     names = (", ".join(f"`{s}`" for s in action.option_strings)
              or f"`{action.metavar or action.dest}`")
     if action.choices:
@@ -61,15 +64,16 @@ def _flag_row(action: argparse.Action) -> str:
         value = f"`{action.metavar or action.dest.upper()}`"
     default = action.default
     shown = "" if default in (None, argparse.SUPPRESS, [], False, "") else f"`{default}`"
-    field = FLAG_FIELDS.get(action.dest)
+    field = FLAG_FIELDS.get(action.dest) if maps_config else None
     help_text = (action.help or "").replace("%(default)s", str(default))
     if field:
         help_text += f" (config: `{field[0]}.{field[1]}`)"
     return f"| {names} | {value} | {shown} | {_cell(help_text)} |"
 
 
-def _actions_table(actions: list[argparse.Action]) -> list[str]:
-    rows = [_flag_row(a) for a in actions if not isinstance(a, argparse._HelpAction)]
+def _actions_table(actions: list[argparse.Action], maps_config: bool) -> list[str]:
+    rows = [_flag_row(a, maps_config) for a in actions
+            if not isinstance(a, argparse._HelpAction)]
     if not rows:
         return []
     return ["| flag | value | default | what it does |", "|---|---|---|---|", *rows, ""]
@@ -81,8 +85,31 @@ def _subcommands(parser: argparse.ArgumentParser) -> list[tuple[str, str, argpar
     return [(name, helps.get(name, ""), p) for name, p in sub.choices.items()]
 
 
+def _command_section(prog: str, help_text: str, sub: argparse.ArgumentParser) -> list[str]:
+    """One command's heading, usage and flag tables; then its own subcommands, if any."""
+    out = [f"## `{prog}`", "", (help_text or "").rstrip(".") + ".", "",
+           "```text", sub.format_usage().strip(), "```", ""]
+    nested = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]
+    for group in sub._action_groups:
+        actions = [a for a in group._group_actions
+                   if not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)]
+        if not actions:
+            continue
+        if group.title == "positional arguments":
+            out += ["**arguments**", ""]
+        elif group.title not in ("options", "optional arguments"):
+            out += [f"**{group.title}**", ""]
+        out += _actions_table(actions, prog in CONFIG_COMMANDS)
+    if sub.epilog:
+        out += [sub.epilog, ""]
+    if nested:
+        for name, child_help, child in _subcommands(sub):
+            out += _command_section(f"{prog} {name}", child_help, child)
+    return out
+
+
 def cli_page() -> str:
-    """Markdown for every subcommand of the ``shardlib`` parser."""
+    """Markdown for every subcommand (and sub-subcommand) of the ``shardlib`` parser."""
     parser = build_parser()
     out = ["# Command line reference", "",
            "Generated from `shardlib.cli.build_parser()` when the site is built: each "
@@ -91,19 +118,7 @@ def cli_page() -> str:
            "`--set section.field=value` (see [config fields](config.md)), which wins over "
            "the plain flags.", ""]
     for name, help_text, sub in _subcommands(parser):
-        out += [f"## `shardlib {name}`", "", help_text.rstrip(".") + ".", "",
-                "```text", sub.format_usage().strip(), "```", ""]
-        for group in sub._action_groups:
-            actions = [a for a in group._group_actions if not isinstance(a, argparse._HelpAction)]
-            if not actions:
-                continue
-            if group.title == "positional arguments":
-                out += ["**arguments**", ""]
-            elif group.title not in ("options", "optional arguments"):
-                out += [f"**{group.title}**", ""]
-            out += _actions_table(actions)
-        if sub.epilog:
-            out += [sub.epilog, ""]
+        out += _command_section(f"shardlib {name}", help_text, sub)
     return "\n".join(out)
 
 
