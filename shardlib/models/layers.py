@@ -204,7 +204,7 @@ def linear(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     einsum ``x, g -> w`` in the weight's own dim order. Autodiff's form makes XLA CPU
     transpose ``g`` inside the fused elementwise backward that produces it (GELU's,
     RoPE's): a strided loop that took ~30% of a d_model-512 step. This form transposes
-    the smaller activation instead (see README, Performance)."""
+    the smaller activation instead (see docs/results/performance.md)."""
     return jnp.einsum(spec, x, w)
 
 
