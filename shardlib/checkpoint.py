@@ -215,6 +215,7 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
+        """Wait for pending saves and release the manager."""
         self._join()
         if self._worker is not None:
             self._jobs.put(None)

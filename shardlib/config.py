@@ -228,6 +228,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class Config:
+    """Everything a run needs: mesh, model, train, optimizer, precision, comm, data, checkpoint."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

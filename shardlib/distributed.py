@@ -282,6 +282,7 @@ class ProcessLog:
                        + (f" eval {row['eval_loss']:.4f}" if "eval_loss" in row else ""))
 
     def on_end(self, summary: dict[str, Any], sample: str) -> None:
+        """Write the run's summary to this process's log."""
         self.write("summary " + ", ".join(f"{k}={v}" for k, v in summary.items()))
         logging.getLogger().removeHandler(self.handler)
         self.file.close()

@@ -50,6 +50,7 @@ def check_command(command: list[str]) -> list[str]:
 
 
 def child_command(command: list[str], port: int, processes: int, index: int) -> list[str]:
+    """The command line of child ``index`` of ``processes`` (coordinator on ``port``)."""
     return [sys.executable, "-m", "shardlib", *command, "--coordinator", f"127.0.0.1:{port}",
             "--num-processes", str(processes), "--process-id", str(index)]
 
@@ -78,6 +79,7 @@ def _death_signal_hook() -> Callable[[], None] | None:
 
 @dataclass
 class Child:
+    """One launched process: its index, ``Popen`` and log."""
     index: int
     proc: subprocess.Popen
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
@@ -112,6 +114,7 @@ class Launcher:
             self.out.flush()
 
     def start(self) -> None:
+        """Start every child process."""
         env, hook = child_env(self.devices), _death_signal_hook()
         for index in range(self.processes):  # every fork before any thread starts
             proc = subprocess.Popen(

@@ -178,6 +178,7 @@ class TensorBoardReporter:
                                         f"mesh {dict(setup.mesh.shape)}")
 
     def on_steps(self, rows: list[dict[str, Any]]) -> None:
+        """Write each row's metrics as scalars at its step."""
         if self.writer is None:
             return
         for row in rows:
@@ -187,6 +188,7 @@ class TensorBoardReporter:
         self.writer.flush()
 
     def on_end(self, summary: dict[str, Any], sample: str) -> None:
+        """Write the summary's numbers and close the writer."""
         if self.writer is None:
             return
         lines = [f"{key}: {value}" for key, value in summary.items()]

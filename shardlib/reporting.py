@@ -25,12 +25,14 @@ from shardlib.units import format_bytes
 
 
 class Reporter(Protocol):
+    """What the train loop tells about a run: its start, each synced batch of rows, its end."""
     def on_start(self, setup: TrainSetup, info: dict[str, Any]) -> None: ...
     def on_steps(self, rows: list[dict[str, Any]]) -> None: ...
     def on_end(self, summary: dict[str, Any], sample: str) -> None: ...
 
 
 class NullReporter:
+    """A reporter that prints nothing."""
     def on_start(self, setup: TrainSetup, info: dict[str, Any]) -> None: ...
     def on_steps(self, rows: list[dict[str, Any]]) -> None: ...
     def on_end(self, summary: dict[str, Any], sample: str) -> None: ...
@@ -60,6 +62,7 @@ class ConsoleReporter:
         self.task = None
 
     def on_start(self, setup: TrainSetup, info: dict[str, Any]) -> None:
+        """Print the mesh, the rules and the parameter sharding table."""
         if jax.process_index() != 0:
             return
         model = setup.config.model
@@ -80,6 +83,7 @@ class ConsoleReporter:
             self.progress.start()
 
     def on_steps(self, rows: list[dict[str, Any]]) -> None:
+        """Advance the progress bar (or log lines) with loss and tokens/s."""
         if jax.process_index() != 0 or not rows:
             return
         last = rows[-1]
@@ -97,6 +101,7 @@ class ConsoleReporter:
                   f"lr {last['lr']:.2e}  grad_norm {last['grad_norm']:.3f}", flush=True)
 
     def on_end(self, summary: dict[str, Any], sample: str) -> None:
+        """Print the summary table and the sample."""
         if jax.process_index() != 0:
             return
         if self.progress is not None:

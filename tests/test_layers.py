@@ -142,3 +142,14 @@ def test_no_private_names_across_modules(found):
 
 def test_no_function_local_imports_outside_the_cli(found):
     assert found[3] == []
+
+
+def test_every_public_function_and_class_has_a_docstring():
+    """Issue 21, part 5: what and why in a line or two, for every public name."""
+    missing = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef) and not node.name.startswith("_") \
+                    and not ast.get_docstring(node):
+                missing.append(f"{module_name(path)}.{node.name}")
+    assert missing == []

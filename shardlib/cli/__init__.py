@@ -62,6 +62,7 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_launch_parser(sub: argparse._SubParsersAction) -> None:
+    """Add the ``launch`` subcommand (several local processes of one job)."""
     launch = sub.add_parser("launch", help="run `train` as several local processes on CPU, "
                             "e.g. launch --processes 2 --devices-per-process 4 -- train ...")
     launch.add_argument("--processes", type=int, default=2, metavar="P",
@@ -94,6 +95,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``shardlib`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="shardlib", description="Sharded training in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a GPT on a device mesh")
@@ -191,6 +193,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def check_train_config(tc: TrainConfig) -> None:
+    """Raise ``ShardlibError`` for train settings the flags cannot express."""
     for name in ("steps", "batch_size", "seq_len", "log_every"):
         if getattr(tc, name) < 1:
             raise ShardlibError(f"--{name.replace('_', '-')} {getattr(tc, name)}: must be >= 1")
@@ -227,6 +230,7 @@ def start_processes(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    """``shardlib train``: build the config, set up devices, train, print the summary."""
     from shardlib.reporting import ConsoleReporter, MetricsFile, Reporters
     from shardlib.run.loop import train
 
@@ -271,6 +275,7 @@ def check_checkpoint_flags(args: argparse.Namespace, config: Config) -> None:
 
 
 def run_launch(args: argparse.Namespace) -> int:
+    """``shardlib launch``: start the processes of one job on this host."""
     from shardlib.launch import launch
 
     return launch(args.train_args, args.processes, args.devices_per_process, port=args.port,
@@ -278,6 +283,7 @@ def run_launch(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    """``shardlib export``: a checkpoint's parameters as safetensors or an HF directory."""
     from shardlib.export import export_safetensors
 
     if args.format == "hf":
@@ -295,6 +301,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
+    """``shardlib inspect``: compile one step and report it against theory."""
     import json
 
     from shardlib.inspect import analyze, render, to_json
@@ -309,24 +316,28 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    """``shardlib plan``: rank meshes, remat and microbatches for the model."""
     from shardlib.cli.plan import run_plan as plan
 
     return plan(args, config_from_args)
 
 
 def run_data(args: argparse.Namespace) -> int:
+    """``shardlib data prepare``: tokenize a corpus into shards."""
     from shardlib.cli.data import run_data as run
 
     return run(args)
 
 
 def run_tokenizer(args: argparse.Namespace) -> int:
+    """``shardlib tokenizer train``: fit a byte-level BPE tokenizer."""
     from shardlib.cli.data import run_tokenizer as run
 
     return run(args)
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    """``shardlib generate``: continue a prompt with KV-cache decoding."""
     from shardlib.cli.generate import run_generate as generate
 
     return generate(args, setup_devices(args.devices))
@@ -343,6 +354,8 @@ def _format_warning(message, category, filename, lineno, line=None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The ``shardlib`` entry point: the subcommand's exit code; 2 with one clear message on
+    bad input, 130 on Ctrl-C."""
     args = build_parser().parse_args(argv)
     warnings.formatwarning = _format_warning
     try:

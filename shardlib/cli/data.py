@@ -11,6 +11,7 @@ from shardlib.config import Config
 
 
 def add_data_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add the ``data`` and ``tokenizer`` subcommands."""
     data = sub.add_parser("data", help="prepare a tokenized dataset for `train --data DIR`")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prep = data_sub.add_parser("prepare", help="tokenize .txt/.jsonl/.parquet files into "
@@ -36,6 +37,7 @@ def add_data_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def run_data(args: argparse.Namespace) -> int:
+    """``shardlib data prepare``: tokenize files into a prepared dataset."""
     from shardlib.data.prepare import describe, prepare
 
     show = sys.stderr.isatty()
@@ -54,6 +56,7 @@ def run_data(args: argparse.Namespace) -> int:
 
 
 def run_tokenizer(args: argparse.Namespace) -> int:
+    """``shardlib tokenizer train``: fit and write a BPE tokenizer."""
     from shardlib.data.tokenizer import train_tokenizer
 
     tok = train_tokenizer(args.data, args.vocab_size, args.out, text_field=args.text_field)

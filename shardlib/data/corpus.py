@@ -137,4 +137,5 @@ def decode(tokens: np.ndarray) -> str:
 
 
 def encode(text: str) -> np.ndarray:
+    """Text as byte token ids (uint8 values, int32 dtype)."""
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)

@@ -277,6 +277,7 @@ class Loader:
 
 
 def make_loader(config: Config, source: Source, sharding: NamedSharding) -> Loader:
+    """The train/eval loader for ``config``: this process's rows, batched and put on devices."""
     tc, dc = config.train, config.data
     return Loader(source, sharding, tc.batch_size, tc.seq_len, workers=dc.workers,
                   prefetch=dc.prefetch)

@@ -57,6 +57,7 @@ class Unit:
 
 @dataclass(frozen=True)
 class Options:
+    """Settings of one ``data prepare`` run."""
     tokenizer: str
     text_field: str
     val_fraction: float
@@ -118,6 +119,7 @@ def _line_cuts(path: Path, unit_bytes: int) -> Iterator[tuple[int, int, int]]:
 
 
 def make_units(files: Sequence[Path], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
+    """Split the input files into work units of about ``unit_bytes`` each."""
     units: list[Unit] = []
     for path in files:
         kind = path.suffix[1:]

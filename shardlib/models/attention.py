@@ -74,6 +74,7 @@ def describe(kernel: str, *, seq_len: int, dtype, head_dim: int) -> str:
 
 @dataclass(frozen=True)
 class KernelChoice:
+    """The kernel a trace uses (``attention.impl``) and its chunk size."""
     kernel: str = "xla"
     chunk: int = 512
 

@@ -33,6 +33,7 @@ def param(rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], logical: tupl
 
 
 def normal(std: float) -> Initializer:
+    """An initializer drawing from N(0, std^2)."""
     return jax.nn.initializers.normal(stddev=std)
 
 

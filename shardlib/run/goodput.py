@@ -100,6 +100,7 @@ class Timeline:
         return out
 
     def goodput(self) -> float:
+        """Productive step time over wall time so far."""
         seconds = self.breakdown()
         wall = sum(seconds.values())
         return seconds["productive"] / wall if wall > 0 else 0.0

@@ -38,6 +38,7 @@ from shardlib.train.step import make_eval_step, make_train_step
 
 @dataclass
 class TrainResult:
+    """What ``train`` returns: final state, setup, per-step history, summary and sample."""
     state: TrainState
     setup: TrainSetup
     history: list[dict[str, Any]] = field(default_factory=list)  # one row per step

@@ -44,6 +44,7 @@ _stall_release = threading.Event()
 
 
 def check_timeout(timeout_s: float) -> None:
+    """Raise ``ConfigError`` unless ``timeout_s`` is positive, 0 (off) or -1 (auto)."""
     if timeout_s < 0 and timeout_s != -1:
         raise ConfigError(f"--hang-timeout {timeout_s:g}: use seconds > 0, 0 (off) or -1 "
                           f"(auto: max({AUTO_FLOOR_S:g} s, {AUTO_STEPS} x the median step))")

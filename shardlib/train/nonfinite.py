@@ -112,6 +112,7 @@ class Tracker:
         return None
 
     def summary(self) -> dict[str, Any]:
+        """Counts of non-finite steps for the run summary."""
         out: dict[str, Any] = {"nonfinite_steps": len(self.bad_steps)}
         if self.bad_steps:
             out["first_nonfinite_step"] = self.bad_steps[0]
