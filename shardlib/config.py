@@ -104,9 +104,9 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """Dtype policy (fp32 | bf16 | fp16) and fp16 dynamic loss scaling; see precision.py."""
+    """Dtype policy (auto | fp32 | bf16 | fp16) and fp16 dynamic loss scaling; see precision.py."""
 
-    policy: str = "fp32"
+    policy: str = "auto"  # auto: bf16 on GPU/TPU, fp32 on CPU (precision.policy_name)
     param_dtype: str = ""  # "" = the policy's choice (fp32 master weights for every policy)
     compute_dtype: str = ""
     output_dtype: str = ""  # logits and loss

@@ -39,12 +39,25 @@ class Policy:
     loss_scaling: bool
 
 
-def resolve(cfg: PrecisionConfig) -> Policy:
+ACCELERATORS = ("gpu", "tpu")  # where ``auto`` computes in bf16
+
+
+def policy_name(cfg: PrecisionConfig, backend: str | None = None) -> str:
+    """The policy ``cfg`` asks for, ``auto`` resolved: bf16 compute (fp32 master weights)
+    on GPU/TPU, where it runs on the tensor cores / MXU at twice the rate or more; fp32 on
+    CPU, where bf16 matmuls are emulated and slower. ``backend``: default JAX's."""
+    if cfg.policy != "auto":
+        return cfg.policy
+    backend = jax.default_backend() if backend is None else backend
+    return "bf16" if backend in ACCELERATORS else "fp32"
+
+
+def resolve(cfg: PrecisionConfig, backend: str | None = None) -> Policy:
     """The policy's dtypes, with any field the user set explicitly taking precedence."""
-    if cfg.policy not in POLICIES:
-        raise ConfigError(f"--precision {cfg.policy!r}: use one of {', '.join(POLICIES)}")
-    defaults = dict(zip(("param", "compute", "output", "grad"), POLICIES[cfg.policy],
-                        strict=True))
+    if cfg.policy not in (*POLICIES, "auto"):
+        raise ConfigError(f"--precision {cfg.policy!r}: use one of auto, {', '.join(POLICIES)}")
+    name = policy_name(cfg, backend)
+    defaults = dict(zip(("param", "compute", "output", "grad"), POLICIES[name], strict=True))
     chosen = {}
     for name, default in defaults.items():
         value = getattr(cfg, f"{name}_dtype") or default
@@ -121,3 +134,12 @@ def update_scale(state: LossScale, finite: jax.Array, cfg: PrecisionConfig) -> L
 def select_tree(pred: jax.Array, on_true, on_false):
     """Leafwise ``where(pred, a, b)``: keeps the old state on a skipped step."""
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def describe(cfg: PrecisionConfig, policy: Policy) -> str:
+    """One start-up line: the dtypes that run, and why (``auto``'s pick)."""
+    how = f"precision.policy={cfg.policy}" + (
+        f" on {jax.default_backend()}" if cfg.policy == "auto" else "")
+    return (f"precision: compute {policy.compute.name}, params {policy.param.name}, "
+            f"grads {policy.grad.name}{', fp16 loss scaling' if policy.loss_scaling else ''} "
+            f"({how})")

@@ -19,6 +19,7 @@ from shardlib.analysis.tables import rules_line, sharding_table
 from shardlib.errors import ConfigError
 from shardlib.mesh import describe
 from shardlib.models.attention import describe as describe_attention
+from shardlib.precision import describe as describe_precision
 from shardlib.run.goodput import format_breakdown
 from shardlib.train.setup import TrainSetup
 from shardlib.units import format_bytes
@@ -68,6 +69,7 @@ class ConsoleReporter:
         model = setup.config.model
         self.console.print(describe(setup.mesh))
         self.console.print(rules_line(setup))
+        self.console.print(describe_precision(setup.config.precision, setup.policy))
         self.console.print(describe_attention(
             setup.config.attention.impl, seq_len=setup.config.train.seq_len,
             dtype=setup.policy.compute, head_dim=model.head_dim))

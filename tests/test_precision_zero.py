@@ -145,6 +145,20 @@ def test_precision_policy_dtypes():
         precision.resolve(PrecisionConfig(compute_dtype="int8"))
 
 
+def test_auto_precision_is_bf16_on_accelerators_and_fp32_on_cpu():
+    """The default policy computes in bf16 (fp32 master weights and gradients) on GPU/TPU
+    and stays fp32 on CPU, where bf16 matmuls are emulated; the start-up line says so."""
+    auto = PrecisionConfig()
+    assert auto.policy == "auto"
+    for backend, compute in [("gpu", jnp.bfloat16), ("tpu", jnp.bfloat16), ("cpu", jnp.float32)]:
+        policy = precision.resolve(auto, backend)
+        assert (policy.param, policy.compute, policy.grad) == (jnp.float32, compute, jnp.float32)
+        assert not policy.loss_scaling
+    assert precision.resolve(PrecisionConfig(policy="fp32"), "gpu").compute == jnp.float32
+    line = precision.describe(auto, precision.resolve(auto))
+    assert line.startswith("precision: compute float32") and "auto on cpu" in line
+
+
 @pytest.mark.parametrize("policy", ["bf16", "fp16"])
 def test_low_precision_on_the_explicit_fsdp_path(policy):
     """data x fsdp runs the loss in shard_map: low-precision casts there must compile

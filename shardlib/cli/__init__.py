@@ -37,8 +37,9 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rule", dest="rules", action="append", default=[],
                         metavar="DIM=AXIS[+AXIS]", help="override a sharding rule, e.g. "
                         "mlp=tensor or vocab=none")
-    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"),
-                        help="dtype policy; fp16 adds dynamic loss scaling (default fp32)")
+    parser.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"),
+                        help="dtype policy; fp16 adds dynamic loss scaling (default auto: "
+                        "bf16 compute on GPU/TPU, fp32 on CPU)")
     parser.add_argument("--zero", type=int, help="ZeRO stage over the data axis: 1 shards "
                         "optimizer state, 2 also gradients, 3 also parameters (= fsdp)")
     parser.add_argument("--grad-accum", type=int, help="microbatches per optimizer step")

@@ -19,7 +19,7 @@ def train_command(plan: Plan, scored: Scored) -> str:
     flags = [f"--model {cfg.model.name}", f"--devices {plan.num_devices}",
              f"--batch-size {cfg.train.batch_size}", f"--seq-len {cfg.train.seq_len}",
              scored.candidate.train_flags()]
-    if cfg.precision.policy != "fp32":
+    if cfg.precision.policy not in ("fp32", "auto"):
         flags.append(f"--precision {cfg.precision.policy}")
     return "shardlib train " + " ".join(flags)
 
