@@ -153,8 +153,9 @@ class AttentionConfig:
     # causal balancing) | ulysses: all-to-all to head-split | allgather: gather K/V by hand
     context_parallel: str = "none"
     # The local kernel (shardlib.models.attention): xla (textbook, O(T^2) scores) | chunked
-    # (flash-style online softmax, O(T * chunk) memory) | cudnn (GPU, bf16/fp16) | auto
-    # (cudnn on GPU in bf16/fp16, chunked from T >= 1024, else xla)
+    # (flash-style online softmax, O(T * chunk) memory) | cudnn (GPU, bf16/fp16) | splash
+    # (TPU Pallas kernel) | auto (cudnn on GPU in bf16/fp16, splash on TPU, chunked from
+    # T >= 1024, else xla)
     impl: str = "xla"
     chunk: int = 512  # the chunked kernel's query and key block, in tokens
 

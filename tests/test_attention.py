@@ -23,7 +23,13 @@ from shardlib import accelerator
 from shardlib.config import AttentionConfig, MeshConfig
 from shardlib.errors import ConfigError
 from shardlib.models import GPT
-from shardlib.models.attention import attend, resolve, textbook_attention, using_kernel
+from shardlib.models.attention import (
+    attend,
+    resolve,
+    splash_attention,
+    textbook_attention,
+    using_kernel,
+)
 from shardlib.models.flash import chunked_attention
 from shardlib.train.state import build_setup, init_state
 from shardlib.train.step import loss_fn, make_train_step
@@ -97,11 +103,26 @@ def test_chunked_temporaries_far_below_textbook_at_2048():
     assert chunked * 8 <= textbook, (chunked, textbook)
 
 
+def test_splash_equals_textbook_in_pallas_interpreter():
+    """The TPU splash kernel (run by Pallas' interpreter on CPU): causal, grouped-query,
+    packed documents; values and gradients equal the textbook kernel's."""
+    q, k, v = qkv(128, heads=2, kv_heads=1, b=1, d=16)
+    seg = packed_segments(128, [[50, 78]])
+    got = value_and_grads(lambda q, k, v: splash_attention(
+        q, k, v, segment_ids=seg, interpret=True))(q, k, v)
+    want = value_and_grads(lambda q, k, v: textbook_attention(q, k, v, segment_ids=seg))(q, k, v)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, **KERNEL_TOL)
+    with pytest.raises(ConfigError, match="not a multiple of 128"):
+        splash_attention(*qkv(100, b=1), interpret=True)
+
+
 def test_auto_rule():
     f32, bf16 = jnp.float32, jnp.bfloat16
     assert resolve("auto", backend="cpu", seq_len=512, dtype=f32, head_dim=64) == "xla"
     assert resolve("auto", backend="cpu", seq_len=4096, dtype=f32, head_dim=64) == "chunked"
-    assert resolve("auto", backend="tpu", seq_len=4096, dtype=bf16, head_dim=64) == "chunked"
+    assert resolve("auto", backend="tpu", seq_len=4096, dtype=bf16, head_dim=64) == "splash"
+    assert resolve("auto", backend="tpu", seq_len=4000, dtype=bf16, head_dim=64) == "chunked"
     assert resolve("auto", backend="gpu", seq_len=512, dtype=bf16, head_dim=64) == "cudnn"
     assert resolve("auto", backend="gpu", seq_len=4096, dtype=f32, head_dim=64) == "chunked"
     assert resolve("chunked", backend="gpu", seq_len=8, dtype=bf16, head_dim=64) == "chunked"
@@ -110,6 +131,7 @@ def test_auto_rule():
 @pytest.mark.parametrize("attn, match", [
     (AttentionConfig(impl="flash"), "attention.impl='flash'"),
     (AttentionConfig(impl="cudnn"), "attention.impl=cudnn needs a GPU"),
+    (AttentionConfig(impl="splash"), "attention.impl=splash needs a TPU"),
     (AttentionConfig(impl="chunked", chunk=0), "attention.chunk=0"),
 ])
 def test_bad_kernel_choice_is_a_config_error(attn, match):

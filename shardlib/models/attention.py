@@ -7,9 +7,13 @@
   Pure JAX, so it runs on every backend.
 - ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``: cuDNN's fused
   flash attention. GPU only, bf16/fp16 compute only.
+- ``splash``: TPU splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``),
+  a Pallas flash kernel with causal and segment masks. TPU only; the sequence a multiple
+  of ``SPLASH_BLOCK`` (128). Tested on CPU through Pallas' interpreter.
 - ``auto``: ``cudnn`` on GPU when the compute dtype is bf16/fp16 and the head dim is a
-  multiple of 8 up to 128; otherwise ``chunked`` when the sequence is at least
-  ``AUTO_CHUNKED_FROM`` (1024) tokens; otherwise ``xla`` (``resolve`` is the rule).
+  multiple of 8 up to 128; ``splash`` on TPU when the sequence is a multiple of 128;
+  otherwise ``chunked`` when the sequence is at least ``AUTO_CHUNKED_FROM`` (1024) tokens;
+  otherwise ``xla`` (``resolve`` is the rule).
 
 Every kernel takes q (B, T, H, K) and k, v (B, S, G, K) with G dividing H (grouped-query
 attention), is causal, and takes optional ``segment_ids`` (B, T) int: the document of
@@ -30,11 +34,18 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_kernel as splash_kernel,
+)
+from jax.experimental.pallas.ops.tpu.splash_attention import (
+    splash_attention_mask as splash_mask,
+)
 
 from shardlib.errors import ConfigError
 from shardlib.models.flash import chunked_attention
 
-KERNELS = ("xla", "chunked", "cudnn", "auto")
+KERNELS = ("xla", "chunked", "cudnn", "splash", "auto")
+SPLASH_BLOCK = 128  # splash's query / key block: the sequence must be a multiple of it
 AUTO_CHUNKED_FROM = 1024  # auto: sequences at least this long use the chunked kernel
 HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -48,6 +59,10 @@ def check_kernel(kernel: str, chunk: int, *, backend: str) -> None:
         raise ConfigError(f"attention.impl=cudnn needs a GPU, but JAX's backend is "
                           f"{backend!r}; use attention.impl=chunked (long sequences) or xla, "
                           "or auto (picks cudnn on GPU)")
+    if kernel == "splash" and backend != "tpu":
+        raise ConfigError(f"attention.impl=splash needs a TPU, but JAX's backend is "
+                          f"{backend!r}; use attention.impl=chunked (long sequences) or xla, "
+                          "or auto (picks splash on TPU)")
     if chunk < 1:
         raise ConfigError(f"attention.chunk={chunk}: the chunked kernel's block must be >= 1 "
                           "token (e.g. 512)")
@@ -59,6 +74,8 @@ def resolve(kernel: str, *, backend: str, seq_len: int, dtype, head_dim: int) ->
         return kernel
     if backend == "gpu" and jnp.dtype(dtype) in HALF and head_dim % 8 == 0 and head_dim <= 128:
         return "cudnn"
+    if backend == "tpu" and seq_len % SPLASH_BLOCK == 0:
+        return "splash"
     return "chunked" if seq_len >= AUTO_CHUNKED_FROM else "xla"
 
 
@@ -162,6 +179,32 @@ def cudnn_attention(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
                                         implementation="cudnn")
 
 
+def splash_attention(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
+                     causal: bool = True, segment_ids: jax.Array | None = None,
+                     interpret: bool = False) -> jax.Array:
+    """TPU splash attention, one (heads, T, K) call per batch row; K/V heads repeated to
+    the query heads. ``interpret``: run the Pallas kernel in its interpreter (CPU tests)."""
+    b, t, h, d = q_bthk.shape
+    s, g = k_bsgk.shape[1], k_bsgk.shape[2]
+    if t % SPLASH_BLOCK or s % SPLASH_BLOCK:
+        raise ConfigError(f"attention.impl=splash: sequence length {t} is not a multiple of "
+                          f"{SPLASH_BLOCK}; pad the batch (train.seq_len) or use "
+                          "attention.impl=chunked")
+    head = splash_mask.CausalMask((t, s)) if causal else splash_mask.FullMask((t, s))
+    block = SPLASH_BLOCK
+    sizes = splash_kernel.BlockSizes(
+        block_q=block, block_kv_compute=block, block_kv=block, block_q_dkv=block,
+        block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+    kernel = splash_kernel.make_splash_mha(splash_mask.MultiHeadMask([head] * h),
+                                           head_shards=1, q_seq_shards=1, block_sizes=sizes,
+                                           interpret=interpret)
+    q_bhtk = jnp.swapaxes(q_bthk, 1, 2) * jnp.asarray(d ** -0.5, q_bthk.dtype)
+    k_bhsk, v_bhsk = (jnp.swapaxes(jnp.repeat(a, h // g, axis=2), 1, 2) for a in (k_bsgk, v_bsgk))
+    ids_bt = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids
+    per_row = lambda q, k, v, ids: kernel(q, k, v, segment_ids=splash_kernel.SegmentIds(ids, ids))  # noqa: E731
+    return jnp.swapaxes(jax.vmap(per_row)(q_bhtk, k_bhsk, v_bhsk, ids_bt), 1, 2)
+
+
 def attend(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
            kernel: str | None = None, chunk: int | None = None, causal: bool = True,
            segment_ids: jax.Array | None = None) -> jax.Array:
@@ -174,6 +217,9 @@ def attend(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
     if chosen == "chunked":
         return chunked_attention(q_bthk, k_bsgk, v_bsgk, causal=causal,
                                  segment_ids=segment_ids, block_q=chunk, block_k=chunk)
+    if chosen == "splash":
+        check_kernel(chosen, chunk, backend=jax.default_backend())
+        return splash_attention(q_bthk, k_bsgk, v_bsgk, causal=causal, segment_ids=segment_ids)
     if chosen == "cudnn":
         check_kernel(chosen, chunk, backend=jax.default_backend())
         return cudnn_attention(q_bthk, k_bsgk, v_bsgk, causal=causal, segment_ids=segment_ids)
