@@ -126,7 +126,7 @@ class TrainConfig:
     seed: int = 0
     grad_accum: int = 1  # microbatches per optimizer step (lax.scan inside the step)
     data: str = "stdlib"  # stdlib, synthetic, a text file, or a `shardlib data prepare` dir
-    init_from: str = ""  # Hugging Face save_pretrained dir to start from (models.hf); "" = init
+    init_from: str = ""  # Hugging Face save_pretrained dir to start from (interop.hf); "" = init
     eval_every: int = 50  # 0 disables eval
     eval_batches: int = 2
     log_every: int = 10  # host sync and log every N steps

@@ -52,7 +52,7 @@ PRESETS: dict[str, Rules] = {
     # batch (each device routes its own tokens, all-to-all moves them to their experts).
     "ep": {"expert": ("expert",), "act_batch": ("expert",)},
     # Pipeline parallelism: the stacked layers split into stages; embedding, final norm
-    # and head replicated over pipeline (see ``parallel.pipeline``).
+    # and head replicated over pipeline (see ``train.pipeline``).
     "pp": {"layers": ("pipeline",)},
 }
 

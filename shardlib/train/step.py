@@ -53,7 +53,7 @@ def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: Batch,
 
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
     pin = lambda g: jax.lax.with_sharding_constraint(g, setup.grad_shardings)
-    if pipeline.applies(setup.sizes):  # GPipe / 1F1B over `pipeline` (parallel.pipeline)
+    if pipeline.applies(setup.sizes):  # GPipe / 1F1B over `pipeline` (train.pipeline)
         if "segment_ids" in batch or "positions" in batch:
             raise ConfigError("mesh.pipeline>1 does not take packed batches' segment_ids/"
                               "positions yet; use a mesh without pipeline or unpacked rows")
@@ -83,8 +83,8 @@ def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: Batch,
 def train_step(setup: TrainSetup, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     """One optimizer step on the global batch; under fp16 a step with non-finite
     gradients is skipped (params and optimizer state kept) and the loss scale halves.
-    The ``comm.*`` options route to ``parallel.comm`` (compressed, two-level gradient
-    reduction) or ``parallel.diloco`` (infrequent synchronisation)."""
+    The ``comm.*`` options route to ``train.comm`` (compressed, two-level gradient
+    reduction) or ``train.diloco`` (infrequent synchronisation)."""
     if comm.diloco_enabled(setup.config.comm):
         return diloco.diloco_step(setup, state, batch, lr_at(setup, state.step))
     scaling, comm_state = state.loss_scale, state.comm
