@@ -1,6 +1,7 @@
-"""Hugging Face GPT-2 and Llama checkpoints: logits equal to the PyTorch model's on one
-device and on fsdp=4,tensor=2, save -> transformers round trip, fine-tuning through
-``train.init_from`` and ``export --format hf``, and clear errors for bad checkpoints.
+"""Hugging Face GPT-2, Llama (1-3.x, rope_type llama3) and Qwen2 checkpoints: logits equal
+to the PyTorch model's on one device and on fsdp=4,tensor=2, save -> transformers round
+trip, fine-tuning through ``train.init_from`` and ``export --format hf``, other rope types
+refused by name, and clear errors for bad checkpoints.
 Skipped when transformers or torch are missing (they are in the ``dev`` extra)."""
 
 import dataclasses
@@ -27,11 +28,45 @@ from shardlib.train.state import build_setup  # noqa: E402
 
 TOL = 1e-4  # max |logit difference|; logits are O(1-10) with initializer_range 0.2
 TOKENS = np.random.default_rng(0).integers(0, 256, (8, 32)).astype(np.int32)
+KINDS = ("gpt2", "llama", "llama3", "qwen2")  # llama3: rope_type llama3, tied; qwen2: qkv biases
+
+
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
+             initializer_range=0.2)
+# original length 16 with head_dim 16 and theta 5e5: wavelengths fall in all three bands
+# (kept < 4, interpolated 4..16, slowed > 16), so every branch of the scaling is checked
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
+
+
+def tiny_modern(kind: str):
+    """A random transformers Llama 3.x (tied head, as the 1B/3B) or Qwen2 (untied, random
+    q/k/v biases) model."""
+    torch.manual_seed(0)
+    if kind == "llama3":
+        cfg = transformers.LlamaConfig(**SHAPE, tie_word_embeddings=True,
+                                       rope_theta=LLAMA3_ROPE["rope_theta"],
+                                       rope_scaling=dict(LLAMA3_ROPE))
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2Config(**SHAPE, tie_word_embeddings=False,
+                                       use_sliding_window=False)
+        model = transformers.Qwen2ForCausalLM(cfg)
+        with torch.no_grad():  # biases start at zero: make them matter
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.2)
+    return model.eval()
 
 
 def tiny_hf(kind: str):
     """A random transformers model: 2 layers, d 64, vocab 256; Llama with GQA (4 q heads,
-    2 K/V heads), untied head and biases; large init so logits are O(1)."""
+    2 K/V heads), untied head and biases; large init so logits are O(1); ``llama3`` and
+    ``qwen2``: ``tiny_modern``."""
+    if kind in ("llama3", "qwen2"):
+        return tiny_modern(kind)
     torch.manual_seed(0)
     if kind == "gpt2":
         cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256,
@@ -60,7 +95,7 @@ def saved(tmp_path_factory):
     """{kind: (directory, reference logits)}; Llama is saved as 4 shards with an index."""
     root = tmp_path_factory.mktemp("hf")
     out = {}
-    for kind in ("gpt2", "llama"):
+    for kind in KINDS:
         model = tiny_hf(kind)
         model.save_pretrained(root / kind, max_shard_size="150KB")
         out[kind] = (root / kind, torch_logits(model, TOKENS))
@@ -83,7 +118,7 @@ def sharded_logits(setup, params: nnx.State, tokens: np.ndarray) -> np.ndarray:
     return np.asarray(jax.jit(forward)(params, jax.device_put(tokens, setup.batch_sharding)))
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_one_device_logits_and_round_trip(saved, kind, tmp_path):
     path, reference = saved[kind]
     model = hf.from_pretrained(path)
@@ -102,7 +137,7 @@ def test_one_device_logits_and_round_trip(saved, kind, tmp_path):
     np.testing.assert_allclose(torch_logits(loaded, TOKENS), ours, rtol=0, atol=TOL)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_sharded_logits_fsdp4_tensor2(saved, kind):
     path, reference = saved[kind]
     setup = build_setup(config_for(path, MeshConfig(data=1, fsdp=4, tensor=2)))
@@ -208,3 +243,49 @@ def test_errors_name_the_problem(saved, tmp_path):
                                        seq_len=32, data="synthetic")), devices=jax.devices()[:1])
     with pytest.raises(ConfigError, match="neither GPT-2 .* nor Llama"):
         hf.to_hf_config(Config().model)
+
+
+# --- Llama 3.x and Qwen2 ---------------------------------------------------------------
+
+def test_configs_map_to_the_new_fields(saved):
+    llama = hf.load_config(saved["llama3"][0])
+    assert (llama.rope_scaling, llama.rope_factor, llama.rope_original_max_len) == (
+        "llama3", 8.0, 16)
+    assert llama.tie_embeddings and llama.kv_heads == 2
+    qwen = hf.load_config(saved["qwen2"][0])
+    assert qwen.qkv_bias and not qwen.bias and qwen.rope_scaling == ""
+
+
+def test_without_rope_scaling_the_logits_differ(saved):
+    """The llama3 scaling really acts at these lengths: plain RoPE is off by >> 1e-4."""
+    path, reference = saved["llama3"]
+    model = hf.from_pretrained(path)
+    model.blocks.attn.rope_scaling = None
+    assert np.abs(np.asarray(nnx.jit(lambda m, x: m(x))(model, TOKENS)) - reference).max() > 1e-2
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "dynamic"])
+def test_other_rope_types_are_refused_by_name(saved, rope_type, tmp_path):
+    path, _ = saved["llama3"]
+    config = json.loads((path / "config.json").read_text())
+    for key in ("rope_parameters", "rope_scaling"):
+        if isinstance(config.get(key), dict):
+            config[key]["rope_type"] = rope_type
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=f"rope_type='{rope_type}'"):
+        hf.load_config(tmp_path)
+
+
+def test_generate_command_prints_transformers_greedy_text(saved, capsys):
+    """`shardlib generate --init-from` (KV cache, fsdp=4,tensor=2) prints the same greedy
+    continuation as transformers' generate; no tokenizer.json here, so bytes."""
+    path, _ = saved["llama3"]
+    prompt = "hello"
+    ids = torch.tensor([list(prompt.encode())], dtype=torch.long)
+    with torch.no_grad():
+        theirs = tiny_modern("llama3").generate(ids, max_new_tokens=8, do_sample=False,
+                                                 attention_mask=torch.ones_like(ids))
+    assert main(["generate", "--init-from", str(path), "--prompt", prompt,
+                 "--max-new-tokens", "8", "--mesh", "fsdp=4,tensor=2"]) == 0
+    expected = data_lib.decode(theirs[0, ids.shape[1]:].numpy())
+    assert capsys.readouterr().out == expected + "\n"
