@@ -41,47 +41,29 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                "original_max_position_embeddings": 16}
 
 
-def tiny_modern(kind: str):
-    """A random transformers Llama 3.x (tied head, as the 1B/3B) or Qwen2 (untied, random
-    q/k/v biases) model."""
-    torch.manual_seed(0)
-    if kind == "llama3":
-        cfg = transformers.LlamaConfig(**SHAPE, tie_word_embeddings=True,
-                                       rope_theta=LLAMA3_ROPE["rope_theta"],
-                                       rope_scaling=dict(LLAMA3_ROPE))
-        model = transformers.LlamaForCausalLM(cfg)
-    else:
-        cfg = transformers.Qwen2Config(**SHAPE, tie_word_embeddings=False,
-                                       use_sliding_window=False)
-        model = transformers.Qwen2ForCausalLM(cfg)
-        with torch.no_grad():  # biases start at zero: make them matter
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.normal_(0, 0.2)
-    return model.eval()
-
-
 def tiny_hf(kind: str):
-    """A random transformers model: 2 layers, d 64, vocab 256; Llama with GQA (4 q heads,
-    2 K/V heads), untied head and biases; large init so logits are O(1); ``llama3`` and
-    ``qwen2``: ``tiny_modern``."""
-    if kind in ("llama3", "qwen2"):
-        return tiny_modern(kind)
+    """A random transformers model: 2 layers, d 64, vocab 256, large init so logits are
+    O(1). ``llama``: GQA (4 q heads, 2 K/V heads), untied head and biases; ``llama3``:
+    rope_type llama3 and a tied head (as the 1B/3B); ``qwen2``: untied, q/k/v biases."""
     torch.manual_seed(0)
     if kind == "gpt2":
-        cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256,
-                                      n_positions=64, initializer_range=0.2)
-        model = transformers.GPT2LMHeadModel(cfg)
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64,
+            initializer_range=0.2)).eval()
+    if kind == "llama3":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **SHAPE, tie_word_embeddings=True, rope_theta=LLAMA3_ROPE["rope_theta"],
+            rope_scaling=dict(LLAMA3_ROPE))).eval()
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            **SHAPE, attention_bias=True, mlp_bias=True))
     else:
-        cfg = transformers.LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
-            initializer_range=0.2, attention_bias=True, mlp_bias=True)
-        model = transformers.LlamaForCausalLM(cfg)
-        with torch.no_grad():  # biases start at zero: make them matter
-            for name, p in model.named_parameters():
-                if name.endswith("bias"):
-                    p.normal_(0, 0.2)
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            **SHAPE, tie_word_embeddings=False, use_sliding_window=False))
+    with torch.no_grad():  # biases start at zero: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)
     return model.eval()
 
 
@@ -283,7 +265,7 @@ def test_generate_command_prints_transformers_greedy_text(saved, capsys):
     prompt = "hello"
     ids = torch.tensor([list(prompt.encode())], dtype=torch.long)
     with torch.no_grad():
-        theirs = tiny_modern("llama3").generate(ids, max_new_tokens=8, do_sample=False,
+        theirs = tiny_hf("llama3").generate(ids, max_new_tokens=8, do_sample=False,
                                                  attention_mask=torch.ones_like(ids))
     assert main(["generate", "--init-from", str(path), "--prompt", prompt,
                  "--max-new-tokens", "8", "--mesh", "fsdp=4,tensor=2"]) == 0
