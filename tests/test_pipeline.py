@@ -158,6 +158,16 @@ def test_schedules_match_unpipelined(stages: int, per_stage: int):
         assert worst < 1e-5, (name, worst)
 
 
+def test_keeping_gathered_weights_matches_unpipelined():
+    """``mesh.reshard_after_forward=false``: the stage gathers its weights once per step;
+    the same stage backward must give the same gradients."""
+    _, ref_loss, ref_grads = reference()
+    mesh = dataclasses.replace(MESHES[2], reshard_after_forward=False)
+    loss, grads = pipeline_both(mesh, 4)["gpipe"]
+    assert abs(loss - ref_loss) < 1e-5
+    assert max(relative_error(grads[k], ref_grads[k]) for k in ref_grads) < 1e-5
+
+
 def train_losses(mesh: MeshConfig, steps: int = 3) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Losses of ``steps`` train steps from the reference initial state, and the params."""
     setup = build_setup(make_config(mesh, microbatches=4, steps=steps),

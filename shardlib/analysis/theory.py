@@ -335,8 +335,21 @@ def state_bytes_per_device(config: Config, sizes: Mapping[str, int],
     inside the step (temporaries), so the persistent state is 12 bytes per parameter:
     ``12 Psi`` replicated, ``12 Psi / F`` under FSDP, with tensor-split weights over ``t``.
     ZeRO-1/2 (``mesh.zero``) also split the moments over ``data`` (``D``):
-    ``4 Psi + 8 Psi / D``; ZeRO-3 is FSDP over ``data x fsdp``.
+    ``4 Psi + 8 Psi / D``; ZeRO-3 is FSDP over ``data x fsdp``. Pipeline stages (``P``)
+    split the layers and replicate the weights outside them (``pipeline_share``).
     """
     g = geometry(config, sizes, param_bytes)
     moments_split = sizes.get("data", 1) if config.mesh.zero in (1, 2) else 1
-    return round(g.params_per_device * (1 + Fraction(ADAM_MOMENTS, moments_split)))
+    params = float(g.params_per_device) * pipeline_share(config, sizes)
+    return round(params * (1 + ADAM_MOMENTS / moments_split))
+
+
+def pipeline_share(config: Config, sizes: Mapping[str, int]) -> float:
+    """The fraction of the parameters one pipeline stage holds: its ``L / P`` layers and
+    every weight outside the layers (embedding, final norm, head: replicated)."""
+    stages = sizes.get("pipeline", 1)
+    if stages == 1:
+        return 1.0
+    outside, layer = unit_elements(config.model, sizes)
+    layers = layer * config.model.num_layers
+    return (outside + layers / stages) / (outside + layers)

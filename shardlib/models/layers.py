@@ -323,14 +323,22 @@ def call_gathered(module: nnx.Module, *args: jax.Array):
     return nnx.merge(graphdef, hooks.gather_weights(state))(*args)
 
 
+def layer_body(stacked: nnx.Module, remat_policy: str = "none"
+               ) -> tuple[Callable[[jax.Array, nnx.State], jax.Array], nnx.State]:
+    """(one layer as ``body(x, layer_state) -> y`` under the remat policy, the stacked
+    layers' state). The body gathers the layer's weights (``hooks.gather_weights``)."""
+    graphdef, state = nnx.split(stacked)
+
+    def body(x: jax.Array, layer_state: nnx.State) -> jax.Array:
+        return nnx.merge(graphdef, hooks.gather_weights(layer_state))(x)
+
+    return remat(body, remat_policy), state
+
+
 def scan_layers(stacked: nnx.Module, x: jax.Array, remat_policy: str = "none") -> jax.Array:
     """Apply the stacked layers in order with ``lax.scan`` (one compiled layer body).
     Each layer's weights are gathered inside the body (``hooks.gather_weights``), so
     under FSDP only one layer's whole weights are alive at a time."""
-    graphdef, state = nnx.split(stacked)
-
-    def body(carry: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, None]:
-        return nnx.merge(graphdef, hooks.gather_weights(layer_state))(carry), None
-
-    x, _ = jax.lax.scan(remat(body, remat_policy), x, state)
+    body, state = layer_body(stacked, remat_policy)
+    x, _ = jax.lax.scan(lambda carry, layer_state: (body(carry, layer_state), None), x, state)
     return x

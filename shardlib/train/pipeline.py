@@ -7,8 +7,12 @@ head and the loss. One ``jax.shard_map``, manual over every mesh axis, runs a st
 table (``pipeline_schedule``) in a ``lax.scan``: each tick a stage idles, runs the forward
 of one microbatch, or its backward; then activations move one stage on and cotangents one
 stage back with ``ppermute``. A forward keeps only its stage input; the backward recomputes
-the stage from that input under ``jax.vjp`` (GPipe's re-materialisation), so a stage holds
-``Schedule.act_slots`` inputs: M under GPipe, at most P under 1F1B.
+the stage from that input (GPipe's re-materialisation), so a stage holds
+``Schedule.act_slots`` inputs: M under GPipe, at most P under 1F1B. The backward
+(``Stage.backward``) walks the layers in reverse and adds each layer's gradient into the
+stage's gradient accumulator in place, and runs only on backward ticks (``run_if``), so
+the accumulator is the one stage-sized gradient buffer: a layer adds its sharded state
+and one gradient shard to the peak, as under plain FSDP.
 
 The batch axes (``data``, ``fsdp``) are manual too. With ``mesh.reshard_after_forward``
 (the default) a stage gathers its fsdp-split weights one layer at a time inside every
@@ -23,7 +27,7 @@ replicated over ``pipeline``, summed over the stages.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import jax
@@ -37,10 +41,10 @@ from shardlib import hooks, precision
 from shardlib.config import Config
 from shardlib.errors import ConfigError
 from shardlib.models.gpt import gather_outside_layers
-from shardlib.models.layers import scan_layers
+from shardlib.models.layers import layer_body, scan_layers
 from shardlib.parallel import fsdp
 from shardlib.train import comm
-from shardlib.train.pipeline_schedule import FWD, IDLE, SCHEDULES, Schedule, build
+from shardlib.train.pipeline_schedule import BWD, FWD, IDLE, SCHEDULES, Schedule, build
 from shardlib.train.setup import TrainSetup
 
 AXIS = "pipeline"
@@ -120,6 +124,18 @@ def _check_microbatches(config: Config, sizes: Mapping[str, int]) -> None:
             f"{shards * m} or change microbatches")
 
 
+def split_blocks(state: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """(the stacked layers' part ``blocks``, everything else) of a model-shaped state."""
+    raw = state.raw_mapping
+    return state["blocks"], nnx.State({key: value for key, value in raw.items()
+                                       if key != "blocks"})
+
+
+def join_blocks(blocks: nnx.State, rest: nnx.State) -> nnx.State:
+    """Inverse of ``split_blocks``."""
+    return nnx.State({**rest.raw_mapping, "blocks": blocks.raw_mapping})
+
+
 @dataclass(frozen=True)
 class Stage:
     """One stage's computations on its (fsdp-gathered) parameters: embedding on the first
@@ -130,35 +146,75 @@ class Stage:
     remat: str
     gathers: bool = False  # weights arrive as fsdp shards; the gather hook casts them
 
-    def _layers(self, model: nnx.Module, x_btd: jax.Array, tokens_bt: jax.Array,
-                is_first: jax.Array) -> jax.Array:
-        x_btd = jax.lax.cond(is_first, lambda: model.embed_tokens(tokens_bt).astype(x_btd.dtype),
-                             lambda: x_btd)
-        return scan_layers(model.blocks, x_btd, self.remat)
+    def cast(self, params: nnx.State) -> nnx.State:
+        """Parameters in the compute dtype (the gather hook casts when ``gathers``)."""
+        return params if self.gathers else precision.cast_params(params, policy=self.policy)
 
     def model(self, params: nnx.State) -> nnx.Module:
-        cast = params if self.gathers else precision.cast_params(params, policy=self.policy)
-        return nnx.merge(self.graphdef, gather_outside_layers(cast))
+        return nnx.merge(self.graphdef, gather_outside_layers(self.cast(params)))
 
     def forward(self, params: nnx.State, x_btd: jax.Array, tokens_bt: jax.Array,
                 is_first: jax.Array) -> jax.Array:
         """The stage output (B, T, D); the first stage embeds ``tokens_bt`` instead of
         reading ``x_btd``."""
-        return self._layers(self.model(params), x_btd, tokens_bt, is_first)
-
-    def forward_loss(self, params: nnx.State, x_btd: jax.Array, tokens_bt: jax.Array,
-                     targets_bt: jax.Array, is_first: jax.Array,
-                     is_last: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(stage output, mean cross-entropy in fp32 on the last stage, else 0)."""
         model = self.model(params)
-        y_btd = self._layers(model, x_btd, tokens_bt, is_first)
+        x_btd = jax.lax.cond(is_first, lambda: model.embed_tokens(tokens_bt).astype(x_btd.dtype),
+                             lambda: x_btd)
+        return scan_layers(model.blocks, x_btd, self.remat)
 
-        def loss() -> jax.Array:
-            logits_btv = model.head(y_btd).astype(self.policy.output)
-            losses_bt = optax.softmax_cross_entropy_with_integer_labels(logits_btv, targets_bt)
-            return jnp.mean(losses_bt).astype(jnp.float32)
+    def backward(self, params: nnx.State, grads: nnx.State, x_btd: jax.Array,
+                 dy_btd: jax.Array, tokens_bt: jax.Array, targets_bt: jax.Array,
+                 is_first: jax.Array, is_last: jax.Array, dloss: jax.Array
+                 ) -> tuple[jax.Array, nnx.State, jax.Array]:
+        """Recompute the stage from its input ``x_btd`` and run its backward for output
+        cotangent ``dy_btd`` (and ``dloss`` on the last stage's loss): (input cotangent,
+        ``grads`` plus this microbatch's gradients, the loss). Each layer's gradient is
+        added into ``grads`` inside the reverse layer scan, in place, so no second
+        stage-sized gradient is ever alive beside the accumulator."""
+        blocks_p, rest_p = split_blocks(params)
+        blocks_g, rest_g = split_blocks(grads)
+        # the weights outside the layers: one FSDP unit, gathered once for both ends
+        rest_w, gather_vjp = jax.vjp(lambda r: gather_outside_layers(self.cast(r)), rest_p)
+        outside = lambda r: nnx.merge(self.graphdef, join_blocks(blocks_p, r))  # noqa: E731
 
-        return y_btd, jax.lax.cond(is_last, loss, lambda: jnp.zeros((), jnp.float32))
+        def front(r: nnx.State, x_btd: jax.Array) -> jax.Array:
+            embed = lambda: outside(r).embed_tokens(tokens_bt).astype(x_btd.dtype)  # noqa: E731
+            return jax.lax.cond(is_first, embed, lambda: x_btd)
+
+        def head_loss(r: nnx.State, y_btd: jax.Array) -> jax.Array:
+            def loss() -> jax.Array:
+                logits_btv = outside(r).head(y_btd).astype(self.policy.output)
+                losses_bt = optax.softmax_cross_entropy_with_integer_labels(logits_btv,
+                                                                            targets_bt)
+                return jnp.mean(losses_bt).astype(jnp.float32)
+            return jax.lax.cond(is_last, loss, lambda: jnp.zeros((), jnp.float32))
+
+        body, _ = layer_body(outside(rest_w).blocks, self.remat)
+        layer = lambda x, raw: body(x, self.cast(raw))  # noqa: E731
+
+        def layer_forward(x_btd: jax.Array, raw: nnx.State) -> tuple[jax.Array, Callable]:
+            return jax.vjp(layer, x_btd, raw)  # the pullback's residuals stack over layers
+
+        x0_btd, front_vjp = jax.vjp(front, rest_w, x_btd)
+        y_btd, layer_vjps = jax.lax.scan(layer_forward, x0_btd, blocks_p)
+        loss, head_vjp = jax.vjp(head_loss, rest_w, y_btd)
+        d_rest_head, dy_head_btd = head_vjp(dloss)
+
+        def layer_backward(carry: tuple, inputs: tuple) -> tuple[tuple, None]:
+            dy_btd, acc = carry
+            index, pullback = inputs
+            dx_btd, d_layer = pullback(dy_btd)
+            acc = jax.tree.map(lambda a, g: a.at[index].add(g.astype(a.dtype)), acc, d_layer)
+            return (dx_btd, acc), None
+
+        count = jax.tree.leaves(blocks_p)[0].shape[0]
+        (dx0_btd, blocks_g), _ = jax.lax.scan(
+            layer_backward, (dy_btd + dy_head_btd.astype(dy_btd.dtype), blocks_g),
+            (jnp.arange(count), layer_vjps), reverse=True)
+        d_rest_front, dx_btd = front_vjp(dx0_btd)
+        (d_rest,) = gather_vjp(jax.tree.map(jnp.add, d_rest_front, d_rest_head))
+        rest_g = jax.tree.map(lambda a, g: a + g.astype(a.dtype), rest_g, d_rest)
+        return dx_btd, join_blocks(blocks_g, rest_g), loss
 
 
 def tables(schedule: Schedule) -> np.ndarray:
@@ -167,6 +223,16 @@ def tables(schedule: Schedule) -> np.ndarray:
     s = schedule
     return np.stack([s.op_ts, s.mb_ts, s.act_slot_ts, s.act_recv_ts, s.grad_slot_ts,
                      s.grad_recv_ts], axis=-1)
+
+
+def run_if(pred: jax.Array, body: Callable[[tuple], tuple], carry: tuple) -> tuple:
+    """``body(carry)`` if ``pred`` else ``carry``, as a ``while_loop`` of zero or one
+    trips. A ``cond`` would copy the carry (the stage's gradient accumulator) into a new
+    output buffer on every untaken branch; a loop updates its carry in place."""
+    def once(state: tuple) -> tuple:
+        return jnp.asarray(True), body(state[1])
+
+    return jax.lax.while_loop(lambda state: ~state[0], once, (~pred, carry))[1]
 
 
 def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params: nnx.State,
@@ -187,21 +253,18 @@ def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params:
         op = jnp.where(is_last & (op == FWD), IDLE, op)  # its backward recomputes it anyway
         x_btd, tokens_bt, targets_bt = acts_kbtd[a_read], inputs_mbt[m], targets_mbt[m]
 
-        def idle() -> tuple:
-            return zeros_btd, zeros_btd, grads, loss
+        def forward() -> jax.Array:
+            return stage.forward(params, x_btd, tokens_bt, is_first)
 
-        def forward() -> tuple:
-            return stage.forward(params, x_btd, tokens_bt, is_first), zeros_btd, grads, loss
-
-        def backward() -> tuple:  # recompute the stage from its input, then its vjp
-            f = lambda p_, x_: stage.forward_loss(p_, x_, tokens_bt, targets_bt, is_first,
-                                                  is_last)
-            (_, loss_m), vjp = jax.vjp(f, params, x_btd)
+        def backward(carry: tuple) -> tuple:  # recompute the stage from its input, then back
+            _, grads, loss = carry
             dy_btd = jnp.where(is_last, zeros_btd, cots_kbtd[g_read])
-            dparams, dx_btd = vjp((dy_btd, dloss))
-            return zeros_btd, dx_btd, jax.tree.map(jnp.add, grads, dparams), loss + loss_m
+            dx_btd, grads, loss_m = stage.backward(params, grads, x_btd, dy_btd, tokens_bt,
+                                                   targets_bt, is_first, is_last, dloss)
+            return dx_btd, grads, loss + loss_m
 
-        y_btd, dx_btd, grads, loss = jax.lax.switch(op, (idle, forward, backward))
+        y_btd = jax.lax.cond(op == FWD, forward, lambda: zeros_btd)
+        dx_btd, grads, loss = run_if(op == BWD, backward, (zeros_btd, grads, loss))
         y_btd = jax.lax.ppermute(y_btd, AXIS, to_next)  # activations one stage on
         dx_btd = jax.lax.ppermute(dx_btd, AXIS, to_prev)  # cotangents one stage back
         return (acts_kbtd.at[a_recv].set(y_btd), cots_kbtd.at[g_recv].set(dx_btd), grads,
