@@ -5,7 +5,9 @@ grouped-query and document-masked attention, with lengths that do not divide the
 its compiled temporaries at T=2048 are a fraction of the textbook kernel's; training with
 it on a data/fsdp/tensor mesh equals one device with the textbook kernel; a packed row's
 documents do not see each other (each document's logits equal running it alone); bad
-kernel choices are ConfigErrors; the GPU XLA flags are never applied on CPU.
+kernel choices are ConfigErrors; the GPU XLA flags are never applied on CPU. Ring
+attention (which runs the chunked kernel per block, merging by its log-sum-exp) keeps
+packed documents apart too.
 """
 
 import dataclasses
@@ -30,7 +32,7 @@ from shardlib.models.attention import (
     textbook_attention,
     using_kernel,
 )
-from shardlib.models.flash import chunked_attention
+from shardlib.models.flash import chunked_attention, chunked_attention_with_lse
 from shardlib.train.state import build_setup, init_state
 from shardlib.train.step import loss_fn, make_train_step
 from tests.helpers import relative_error, tiny_config
@@ -83,6 +85,45 @@ def test_chunked_equals_textbook(name):
     np.testing.assert_allclose(out, out_ref, **KERNEL_TOL)
     for name_, g_, r_ in zip("qkv", grads, grads_ref, strict=True):
         np.testing.assert_allclose(g_, r_, **KERNEL_TOL, err_msg=f"d{name_}")
+
+
+def lse_reference(q, k, v, causal, seg):
+    """fp32 output and row log-sum-exp (B, T, H) with the scores materialised."""
+    h, g = q.shape[2], k.shape[2]
+    k, v = (jnp.repeat(a, h // g, axis=2) for a in (k, v))
+    scores = jnp.einsum("bthk,bshk->bhts", q, k) * q.shape[-1] ** -0.5
+    t = q.shape[1]
+    keep = jnp.ones((1, 1, t, t), bool)
+    if causal:
+        keep = keep & (jnp.arange(t)[:, None] >= jnp.arange(t)[None, :])
+    if seg is not None:
+        keep = keep & (seg[:, None, :, None] == seg[:, None, None, :])
+    scores = jnp.where(keep, scores, -jnp.inf)
+    lse_bht = jax.nn.logsumexp(scores, axis=-1)
+    out = jnp.einsum("bhts,bshk->bthk", jnp.exp(scores - lse_bht[..., None]), v)
+    return out, jnp.swapaxes(lse_bht, 1, 2)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_chunked_lse_and_its_gradient_equal_the_reference(name):
+    """What ring attention merges by: output and log-sum-exp, and the gradients of both
+    (a cotangent on the log-sum-exp enters the kernel's backward as well)."""
+    t, h, g, lengths, causal = CASES[name]
+    q, k, v = qkv(t, h, g)
+    seg = None if lengths is None else packed_segments(t, lengths)
+    ct_out, ct_lse = qkv(t, h, h, seed=1)[0], qkv(t, h, h, d=1, seed=2)[0][..., 0]
+
+    def run(fn):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp((ct_out, ct_lse))
+
+    got = run(lambda q, k, v: chunked_attention_with_lse(q, k, v, causal=causal,
+                                                         segment_ids=seg, block_q=16,
+                                                         block_k=8))
+    ref = run(lambda q, k, v: lse_reference(q, k, v, causal, seg))
+    for label, a, b in zip(["out", "lse", "dq", "dk", "dv"], [*got[0], *got[1]],
+                           [*ref[0], *ref[1]], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=label)
 
 
 def temp_bytes(fn, *args) -> int:
@@ -215,12 +256,34 @@ def test_train_step_takes_packed_batches():
     assert np.isfinite(losses).all() and losses[1] < losses[0]
 
 
-def test_context_parallel_refuses_document_masks():
+@pytest.mark.parametrize("method, mesh", [
+    ("ring", MeshConfig(data=2, fsdp=2, sequence=2)), ("ring", MeshConfig(data=2, sequence=4)),
+    ("ulysses", MeshConfig(data=2, fsdp=2, sequence=2))], ids=["ring-seq2", "ring-seq4",
+                                                             "ulysses-seq2"])
+def test_context_parallel_keeps_packed_documents_apart(method, mesh):
+    """Ring attention runs the chunked kernel per block (blocks of 4: several tiles per
+    zig-zag half at sequence=2) with the documents' segment ids travelling with K/V;
+    Ulysses all-gathers the ids and runs the chunked kernel on its heads. GQA and a packed
+    batch against one device with the textbook kernel, loss and gradients within 1e-5."""
+    batch = packed_batch(seed=2)
+    ref_cfg = tiny_config(MeshConfig(data=1), num_kv_heads=2)
+    ring_cfg = dataclasses.replace(tiny_config(mesh, num_kv_heads=2), attention=AttentionConfig(
+        impl="chunked", chunk=4, context_parallel=method))
+    ref_loss, ref_grads = grads_of(ref_cfg, batch, 1)
+    loss, grads = grads_of(ring_cfg, batch, 8)
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
+    errors = {path: relative_error(grads[path], ref_grads[path]) for path in ref_grads}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOL, f"{worst}: relative error {errors[worst]:.2e}"
+
+
+def test_allgather_context_parallel_refuses_document_masks():
+    method = "allgather"
     config = dataclasses.replace(tiny_config(MeshConfig(data=2, sequence=4)),
-                                 attention=AttentionConfig(context_parallel="ring"))
+                                 attention=AttentionConfig(context_parallel=method))
     setup = build_setup(config, jax.devices())
     params = jax.eval_shape(lambda: init_state(setup, 0)).params
-    with pytest.raises(ConfigError, match="context_parallel=ring: document masks"):
+    with pytest.raises(ConfigError, match=f"context_parallel={method}: document masks"):
         jax.eval_shape(lambda p, b: loss_fn(setup, p, b), params, packed_batch())
 
 

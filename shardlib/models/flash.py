@@ -117,8 +117,9 @@ def _segment_blocks(plan, seg_q, seg_k):
             _blocks(_pad_to(seg_k, 1, plan.bk, -2), plan.bk))
 
 
-def _forward(plan: _Plan, q, k, v, seg_q, seg_k):
-    """Output (B, T, H, K) and log-sum-exp (nq, B, G, R, bq)."""
+def _forward(plan: _Plan, q, k, v, seg_q, seg_k, out_dtype=None):
+    """Output (B, T, H, K) in ``out_dtype`` (default q's) and log-sum-exp
+    (nq, B, G, R, bq), +inf on rows that see no key."""
     qb = _blocks(_pad_to(_split_heads(plan, q), 1, plan.bq), plan.bq)  # (nq,B,bq,G,R,K)
     kb = _blocks(_pad_to(k, 1, plan.bk), plan.bk)  # (nk, B, bk, G, K)
     vb = _blocks(_pad_to(v, 1, plan.bk), plan.bk)
@@ -154,15 +155,18 @@ def _forward(plan: _Plan, q, k, v, seg_q, seg_k):
         out = acc / safe_sum[..., None]  # (B, G, R, bq, K)
         lse = jnp.where(empty, jnp.inf, m + jnp.log(safe_sum))  # inf: p = exp(s - inf) = 0
         b, d = out.shape[0], out.shape[-1]
-        out = jnp.moveaxis(out, 3, 1).reshape(b, plan.bq, plan.heads, d).astype(q.dtype)
+        out = jnp.moveaxis(out, 3, 1).reshape(b, plan.bq, plan.heads, d)
+        out = out.astype(q.dtype if out_dtype is None else out_dtype)
         return out, lse
 
     out_nbqhk, lse = jax.lax.map(one_q_block, jnp.arange(plan.nq))
     return _unblock(out_nbqhk)[:, : plan.t], lse
 
 
-def _backward(plan: _Plan, q, k, v, seg_q, seg_k, out, lse, d_out):
-    """dq, dk, dv: one pass over query blocks (dq), one over key blocks (dk, dv)."""
+def _backward(plan: _Plan, q, k, v, seg_q, seg_k, out, lse, d_out, d_lse=None):
+    """dq, dk, dv: one pass over query blocks (dq), one over key blocks (dk, dv).
+    ``d_lse`` (nq, B, G, R, bq): the cotangent of the log-sum-exp, when it is an output
+    too: d lse / d s = p, so it enters as ``dS = p (dP - delta + d_lse)``."""
     qb = _blocks(_pad_to(_split_heads(plan, q), 1, plan.bq), plan.bq)  # (nq,B,bq,G,R,K)
     dob = _blocks(_pad_to(_split_heads(plan, d_out.astype(q.dtype)), 1, plan.bq), plan.bq)
     ob = _blocks(_pad_to(_split_heads(plan, out), 1, plan.bq), plan.bq)
@@ -171,6 +175,8 @@ def _backward(plan: _Plan, q, k, v, seg_q, seg_k, out, lse, d_out):
     sqb, skb = _segment_blocks(plan, seg_q, seg_k)
     delta = jnp.einsum("nbqgrk,nbqgrk->nbgrq", dob.astype(jnp.float32),
                        ob.astype(jnp.float32))  # rowsum(dO * O): (nq, B, G, R, bq)
+    if d_lse is not None:
+        delta = delta - d_lse
 
     def tile_grads(i, j):
         """Tile (i, j): probabilities p and dS = p (dP - delta), (B, G, R, bq, bk) fp32."""
@@ -244,6 +250,77 @@ def _flash_bwd(causal, block_q, block_k, residuals, d_out):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def _lse_bth(plan: _Plan, lse):
+    """(nq, B, G, R, bq) -> (B, T, H); rows that see no key get -inf (log of 0)."""
+    b = lse.shape[1]
+    lse = jnp.moveaxis(lse, 4, 2).reshape(plan.nq, b, plan.bq, plan.heads)
+    lse = _unblock(lse)[:, : plan.t]
+    return jnp.where(jnp.isposinf(lse), -jnp.inf, lse)
+
+
+def _lse_blocks(plan: _Plan, lse_bth):
+    """(B, T, H) -> (nq, B, G, R, bq), the inverse of ``_lse_bth`` (padding rows 0)."""
+    b = lse_bth.shape[0]
+    x = _blocks(_pad_to(lse_bth, 1, plan.bq), plan.bq)  # (nq, B, bq, H)
+    x = x.reshape(plan.nq, b, plan.bq, plan.kv_heads, plan.groups)
+    return jnp.moveaxis(x, 2, 4)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _flash_lse(q, k, v, seg_q, seg_k, causal, block_q, block_k):
+    plan = _Plan(q, k, causal, block_q, block_k, seg_q is not None)
+    out, lse = _forward(plan, q, k, v, seg_q, seg_k, jnp.float32)
+    return out, _lse_bth(plan, lse)
+
+
+def _flash_lse_fwd(q, k, v, seg_q, seg_k, causal, block_q, block_k):
+    plan = _Plan(q, k, causal, block_q, block_k, seg_q is not None)
+    out, lse = _forward(plan, q, k, v, seg_q, seg_k, jnp.float32)
+    return (out, _lse_bth(plan, lse)), (q, k, v, seg_q, seg_k, out, lse)
+
+
+def _flash_lse_bwd(causal, block_q, block_k, residuals, cotangents):
+    q, k, v, seg_q, seg_k, out, lse = residuals
+    d_out, d_lse_bth = cotangents
+    plan = _Plan(q, k, causal, block_q, block_k, seg_q is not None)
+    dq, dk, dv = _backward(plan, q, k, v, seg_q, seg_k, out, lse, d_out,
+                           _lse_blocks(plan, d_lse_bth.astype(jnp.float32)))
+    if seg_q is None:
+        return dq, dk, dv, None, None
+    float0 = lambda s: jnp.zeros(s.shape, jax.dtypes.float0)  # noqa: E731
+    return dq, dk, dv, float0(seg_q), float0(seg_k)
+
+
+_flash_lse.defvjp(_flash_lse_fwd, _flash_lse_bwd)
+
+
+def _check_heads(name: str, q_bthk: jax.Array, k_bsgk: jax.Array) -> None:
+    if q_bthk.shape[2] % k_bsgk.shape[2]:
+        raise ValueError(f"{name}: {q_bthk.shape[2]} query heads are not a multiple "
+                         f"of {k_bsgk.shape[2]} K/V heads")
+
+
+def _segments(segment_ids, kv_segment_ids):
+    if segment_ids is None:
+        return None, None
+    segment_ids = segment_ids.astype(jnp.int32)
+    return segment_ids, (segment_ids if kv_segment_ids is None
+                         else kv_segment_ids.astype(jnp.int32))
+
+
+def chunked_attention_with_lse(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
+                               causal: bool = True, segment_ids: jax.Array | None = None,
+                               kv_segment_ids: jax.Array | None = None, block_q: int = 512,
+                               block_k: int = 512) -> tuple[jax.Array, jax.Array]:
+    """``chunked_attention``'s output in fp32 and each row's log-sum-exp of its scores,
+    (B, T, H) fp32 (-inf for a row that sees no key), both differentiable: what ring
+    attention needs to merge the blocks of one query row
+    (``o = sum_b exp(lse_b - lse) o_b``, ``lse = logsumexp_b lse_b``)."""
+    _check_heads("chunked_attention_with_lse", q_bthk, k_bsgk)
+    seg_q, seg_k = _segments(segment_ids, kv_segment_ids)
+    return _flash_lse(q_bthk, k_bsgk, v_bsgk, seg_q, seg_k, causal, block_q, block_k)
+
+
 def chunked_attention(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
                       causal: bool = True, segment_ids: jax.Array | None = None,
                       kv_segment_ids: jax.Array | None = None, block_q: int = 512,
@@ -254,12 +331,6 @@ def chunked_attention(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *
     (``kv_segment_ids`` (B, S), default ``segment_ids``). Causal means query ``t`` sees
     keys ``s <= t`` (queries and keys both start at position 0). Lengths need not divide
     the blocks (the last block is padded and masked)."""
-    if q_bthk.shape[2] % k_bsgk.shape[2]:
-        raise ValueError(f"chunked_attention: {q_bthk.shape[2]} query heads are not a multiple "
-                         f"of {k_bsgk.shape[2]} K/V heads")
-    if segment_ids is not None:
-        segment_ids = segment_ids.astype(jnp.int32)
-        kv_segment_ids = (segment_ids if kv_segment_ids is None
-                          else kv_segment_ids.astype(jnp.int32))
-    return _flash(q_bthk, k_bsgk, v_bsgk, segment_ids, kv_segment_ids, causal, block_q,
-                  block_k)
+    _check_heads("chunked_attention", q_bthk, k_bsgk)
+    seg_q, seg_k = _segments(segment_ids, kv_segment_ids)
+    return _flash(q_bthk, k_bsgk, v_bsgk, seg_q, seg_k, causal, block_q, block_k)

@@ -10,14 +10,18 @@ to the inverse ``all_to_all``.
 
 - ``ring``: each device keeps its queries and passes K/V blocks around the ring with
   ``ppermute`` (the next block's send is issued before this block's compute, so XLA can
-  overlap them), merging blocks with an online log-sum-exp softmax. Causal attention is
+  overlap them). Each pair of blocks runs the chunked flash kernel (``models.flash``,
+  which also returns the rows' log-sum-exp), so no (T/n, T/n) score matrix exists either,
+  and the blocks of a query row merge by their log-sum-exp. Packed documents
+  (``segment_ids``) travel with K/V and keep to themselves. Causal attention is
   load balanced: the sequence is cut into ``2n`` chunks and device ``j`` holds chunks ``j``
   and ``2n-1-j`` (zig-zag), so every device does the same work at every ring step. The
   zig-zag layout exists only inside the attention: ``to_zigzag`` reorders q/k/v with two
   ``ppermute`` on entry and ``from_zigzag`` reorders the output back on exit; the rest of
   the model keeps the contiguous layout.
 - ``ulysses``: ``all_to_all`` from sequence-split to head-split, full attention on
-  ``heads / n`` heads, ``all_to_all`` back. Needs heads (per tensor shard) divisible by n.
+  ``heads / n`` heads with the active kernel (``attention.impl``), ``all_to_all`` back.
+  Needs heads (per tensor shard) divisible by n.
 - ``allgather``: all-gather K/V along the sequence, attend the local queries (baseline).
 """
 
@@ -34,13 +38,13 @@ from jax.sharding import Mesh, PartitionSpec
 
 from shardlib import sharding
 from shardlib.errors import ConfigError, ShardingError
+from shardlib.models import attention, flash
 
 AXIS = "sequence"
 METHODS: tuple[str, ...] = ("none", "ring", "ulysses", "allgather")
 """``none`` leaves attention to XLA's partitioner (it all-gathers K/V on its own)."""
 
-NEG = -1e30  # "minus infinity" that keeps exp() and its gradient finite
-Stats = tuple[jax.Array, jax.Array, jax.Array]  # (o_bthk unnormalised, m_bht, l_bht), fp32
+Stats = tuple[jax.Array, jax.Array]  # (o_bthk normalised, lse_bth): one block's rows, fp32
 
 _METHOD: contextvars.ContextVar[str] = contextvars.ContextVar("shardlib_cp", default="none")
 
@@ -107,46 +111,38 @@ def reference_attention(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array,
     return jnp.einsum("bhts,bshk->bthk", probs_bhts, v_bshk)
 
 
-def block_stats(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array,
-                mask_ts: jax.Array | None) -> Stats:
-    """One block's unnormalised output, row max and row sum (flash-attention style)."""
-    scale = q_bthk.shape[-1] ** -0.5
-    scores_bhts = jnp.einsum("bthk,bshk->bhts", q_bthk, k_bshk).astype(jnp.float32) * scale
-    if mask_ts is not None:
-        scores_bhts = jnp.where(mask_ts, scores_bhts, NEG)
-    # The output does not depend on m; stopping its gradient is exact and cheaper.
-    m_bht = jax.lax.stop_gradient(jnp.max(scores_bhts, axis=-1))
-    p_bhts = jnp.exp(scores_bhts - m_bht[..., None])
-    if mask_ts is not None:
-        p_bhts = jnp.where(mask_ts, p_bhts, 0.0)  # rows masked entirely give exp(0)
-    o_bthk = jnp.einsum("bhts,bshk->bthk", p_bhts.astype(v_bshk.dtype), v_bshk)
-    return o_bthk.astype(jnp.float32), m_bht, jnp.sum(p_bhts, axis=-1)
+def block_stats(q_bthk: jax.Array, k_bshk: jax.Array, v_bshk: jax.Array, *, causal: bool,
+                seg_q_bt: jax.Array | None = None, seg_k_bs: jax.Array | None = None) -> Stats:
+    """One block's normalised output and row log-sum-exp, by the chunked kernel
+    (``models.flash``: no (T, S) scores), at the active kernel's chunk size."""
+    chunk = attention.active_kernel().chunk
+    return flash.chunked_attention_with_lse(q_bthk, k_bshk, v_bshk, causal=causal,
+                                            segment_ids=seg_q_bt, kv_segment_ids=seg_k_bs,
+                                            block_q=chunk, block_k=chunk)
 
 
 def merge(a: Stats, b: Stats) -> Stats:
-    """Combine two blocks' stats over the same query rows (log-sum-exp rescaling)."""
-    (o_a, m_a, l_a), (o_b, m_b, l_b) = a, b
-    m = jnp.maximum(m_a, m_b)
-    alpha_bht, beta_bht = jnp.exp(m_a - m), jnp.exp(m_b - m)
-    to_bthk = lambda x_bht: jnp.transpose(x_bht, (0, 2, 1))[..., None]
-    return o_a * to_bthk(alpha_bht) + o_b * to_bthk(beta_bht), m, l_a * alpha_bht + l_b * beta_bht
+    """Combine two blocks' stats over the same query rows: weights ``exp(lse_i - lse)``."""
+    (o_a, lse_a), (o_b, lse_b) = a, b
+    lse_bth = jnp.logaddexp(lse_a, lse_b)
+    safe_bth = jnp.where(jnp.isneginf(lse_bth), 0.0, lse_bth)  # rows no key reaches yet
+    weight = lambda lse: jnp.exp(lse - safe_bth)[..., None]  # noqa: E731
+    return o_a * weight(lse_a) + o_b * weight(lse_b), lse_bth
 
 
 def finish(stats: Stats, dtype: jnp.dtype) -> jax.Array:
-    """Attention output from merged online-softmax stats: o / l, in ``dtype``."""
-    o_bthk, _, l_bht = stats
-    return (o_bthk / jnp.transpose(l_bht, (0, 2, 1))[..., None]).astype(dtype)
+    """Attention output from merged stats, in ``dtype``."""
+    return stats[0].astype(dtype)
 
 
 def rows(stats: Stats, start: int, stop: int) -> Stats:
     """Query rows ``start:stop`` of a block's stats."""
-    o_bthk, m_bht, l_bht = stats
-    return o_bthk[:, start:stop], m_bht[..., start:stop], l_bht[..., start:stop]
+    return tuple(x[:, start:stop] for x in stats)
 
 
 def cat_rows(a: Stats, b: Stats) -> Stats:
     """Stats of two query-row blocks side by side (along the sequence)."""
-    return tuple(jnp.concatenate([x, y], axis=ax) for x, y, ax in zip(a, b, (1, 2, 2), strict=True))
+    return tuple(jnp.concatenate([x, y], axis=1) for x, y in zip(a, b, strict=True))
 
 
 # --- inside shard_map ----------------------------------------------------------------
@@ -186,72 +182,99 @@ def from_zigzag(x_bt: jax.Array, n: int) -> jax.Array:
     return jnp.concatenate([even, odd], 1)
 
 
-def _diagonal_mask(c: int) -> jax.Array:
-    """Causal mask of a zig-zag block against itself: [[tril, 0], [1, tril]]."""
-    tril = jnp.tril(jnp.ones((c, c), bool))
-    return jnp.block([[tril, jnp.zeros((c, c), bool)], [jnp.ones((c, c), bool), tril]])
+Segments = jax.Array | None  # (B, T) document ids of the local rows, or None
 
 
-def _causal_step(acc: Stats, q: jax.Array, k: jax.Array, v: jax.Array,
-                 src: jax.Array, me: jax.Array) -> Stats:
+def _cut(seg_bt: Segments, start: int, stop: int) -> Segments:
+    return None if seg_bt is None else seg_bt[:, start:stop]
+
+
+def _diagonal(q: jax.Array, k: jax.Array, v: jax.Array, seg: Segments) -> Stats:
+    """A zig-zag block against itself: chunk ``j`` sees itself causally; chunk ``2n-1-j``
+    sees chunk ``j`` whole and itself causally."""
+    c = q.shape[1] // 2
+    first = block_stats(q[:, :c], k[:, :c], v[:, :c], causal=True, seg_q_bt=_cut(seg, 0, c),
+                        seg_k_bs=_cut(seg, 0, c))
+    seg_second = _cut(seg, c, 2 * c)
+    second = merge(block_stats(q[:, c:], k[:, :c], v[:, :c], causal=False,
+                               seg_q_bt=seg_second, seg_k_bs=_cut(seg, 0, c)),
+                   block_stats(q[:, c:], k[:, c:], v[:, c:], causal=True,
+                               seg_q_bt=seg_second, seg_k_bs=seg_second))
+    return cat_rows(first, second)
+
+
+def _causal_step(acc: Stats, q: jax.Array, k: jax.Array, v: jax.Array, seg_q: Segments,
+                 seg_k: Segments, src: jax.Array, me: jax.Array) -> Stats:
     """Blocks from another device, zig-zag layout: if ``src < me`` all queries see the
     first key chunk; otherwise the second query chunk sees all keys. Half a block each."""
     c = q.shape[1] // 2
 
     def earlier(acc: Stats) -> Stats:
-        return merge(acc, block_stats(q, k[:, :c], v[:, :c], None))
+        return merge(acc, block_stats(q, k[:, :c], v[:, :c], causal=False, seg_q_bt=seg_q,
+                                      seg_k_bs=_cut(seg_k, 0, c)))
 
     def later(acc: Stats) -> Stats:
-        second = merge(rows(acc, c, 2 * c), block_stats(q[:, c:], k, v, None))
+        second = merge(rows(acc, c, 2 * c),
+                       block_stats(q[:, c:], k, v, causal=False,
+                                   seg_q_bt=_cut(seg_q, c, 2 * c), seg_k_bs=seg_k))
         return cat_rows(rows(acc, 0, c), second)
 
     return jax.lax.cond(src < me, earlier, later, acc)
 
 
 def ring_local(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *,
-               causal: bool) -> jax.Array:
-    """Ring attention on local blocks (zig-zag layout when causal).
+               causal: bool, segment_ids: Segments = None) -> jax.Array:
+    """Ring attention on local blocks (zig-zag layout when causal); each block pair runs
+    the chunked kernel, and the blocks of a query row merge by their log-sum-exp.
 
     Step 0 attends the device's own block; steps 1..n-1 run in a ``lax.scan`` (compile
     time flat in n) whose body sends the block it holds on to the next device *before*
-    attending it, so the transfer can overlap the compute.
+    attending it, so the transfer can overlap the compute. ``segment_ids`` (B, T_local)
+    travel with K/V: a query sees only keys of its own document.
     """
     n, me = jax.lax.axis_size(AXIS), jax.lax.axis_index(AXIS)
     ring = [(j, (j + 1) % n) for j in range(n)]
-    q = q_bthk
+    q, seg_q = q_bthk, segment_ids
 
-    def attend(acc: Stats, kv: jax.Array, step: jax.Array) -> Stats:
+    def attend(acc: Stats, kv: tuple, step: jax.Array) -> Stats:
+        kv_cbthk, seg_k = kv
         if not causal:
-            return merge(acc, block_stats(q, kv[0], kv[1], None))
-        return _causal_step(acc, q, kv[0], kv[1], (me - step) % n, me)
+            return merge(acc, block_stats(q, kv_cbthk[0], kv_cbthk[1], causal=False,
+                                          seg_q_bt=seg_q, seg_k_bs=seg_k))
+        return _causal_step(acc, q, kv_cbthk[0], kv_cbthk[1], seg_q, seg_k, (me - step) % n,
+                            me)
 
-    def body(carry: tuple[Stats, jax.Array], step: jax.Array) -> tuple[tuple, None]:
+    def body(carry: tuple[Stats, tuple], step: jax.Array) -> tuple[tuple, None]:
         acc, kv = carry
         nxt = jax.lax.ppermute(kv, AXIS, ring)  # issued first: overlaps the compute below
         return (attend(acc, kv, step), nxt), None
 
-    kv = jnp.stack([k_bthk, v_bthk])  # one ppermute per step moves both
+    kv = (jnp.stack([k_bthk, v_bthk]), segment_ids)  # one ppermute per step moves K and V
     nxt = jax.lax.ppermute(kv, AXIS, ring)
-    acc = block_stats(q, kv[0], kv[1], _diagonal_mask(q.shape[1] // 2) if causal else None)
+    acc = (_diagonal(q, k_bthk, v_bthk, seg_q) if causal else
+           block_stats(q, k_bthk, v_bthk, causal=False, seg_q_bt=seg_q, seg_k_bs=seg_q))
     (acc, kv), _ = jax.lax.scan(body, (acc, nxt), jnp.arange(1, n - 1))
     return finish(attend(acc, kv, jnp.asarray(n - 1)), q.dtype)
 
 
 def ring_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *,
-                   causal: bool) -> jax.Array:
+                   causal: bool, segment_ids: Segments = None) -> jax.Array:
     """Ring attention on contiguous local blocks: zig-zag in, ring, contiguous out."""
     n = jax.lax.axis_size(AXIS)
     if not causal:  # every query sees every key: no load imbalance, no reordering
-        return ring_local(q_bthk, k_bthk, v_bthk, causal=False)
+        return ring_local(q_bthk, k_bthk, v_bthk, causal=False, segment_ids=segment_ids)
     qkv_btchk = jnp.stack([q_bthk, k_bthk, v_bthk], axis=2)  # (B, T, 3, H, K)
     qkv_btchk = to_zigzag(qkv_btchk, n)  # one pair of ppermutes moves q, k and v
-    out_bthk = ring_local(*(qkv_btchk[:, :, i] for i in range(3)), causal=True)
+    segs = None if segment_ids is None else to_zigzag(segment_ids, n)
+    out_bthk = ring_local(*(qkv_btchk[:, :, i] for i in range(3)), causal=True,
+                          segment_ids=segs)
     return from_zigzag(out_bthk, n)
 
 
 def ulysses_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *,
-                      causal: bool) -> jax.Array:
-    """all_to_all (sequence-split -> head-split), full attention, all_to_all back."""
+                      causal: bool, segment_ids: Segments = None) -> jax.Array:
+    """all_to_all (sequence-split -> head-split), full attention with the active kernel
+    (``attention.impl``), all_to_all back. Documents' ids are all-gathered along T."""
     n, heads = jax.lax.axis_size(AXIS), q_bthk.shape[2]
     if heads % n:
         raise ShardingError(
@@ -261,7 +284,9 @@ def ulysses_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *
     qkv_cbthk = jnp.stack([q_bthk, k_bthk, v_bthk])
     # (3, B, T/n, H, K) -> (3, B, T, H/n, K): each device sends head group i to device i.
     qkv_cbthk = jax.lax.all_to_all(qkv_cbthk, AXIS, split_axis=3, concat_axis=2, tiled=True)
-    out_bthk = reference_attention(*qkv_cbthk, causal=causal)
+    segs = (None if segment_ids is None
+            else jax.lax.all_gather(segment_ids, AXIS, axis=1, tiled=True))
+    out_bthk = attention.attend(*qkv_cbthk, causal=causal, segment_ids=segs)
     # (B, T, H/n, K) -> (B, T/n, H, K)
     return jax.lax.all_to_all(out_bthk, AXIS, split_axis=1, concat_axis=2, tiled=True)
 
@@ -298,18 +323,37 @@ def qkv_spec(rules: sharding.Rules, sizes: dict[str, int]) -> PartitionSpec:
 
 def sequence_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *,
                        method: str, mesh: Mesh, rules: sharding.Rules,
-                       causal: bool = True) -> jax.Array:
-    """Attention on global (B, T, H, K) arrays with the sequence split over ``sequence``."""
+                       causal: bool = True, segment_ids: jax.Array | None = None
+                       ) -> jax.Array:
+    """Attention on global (B, T, H, K) arrays with the sequence split over ``sequence``.
+    ``segment_ids`` (B, T): packed documents, kept apart (``ring`` and ``ulysses``)."""
     check_method(method)
+    check_segments(method, segment_ids)
     sizes = dict(mesh.shape)
     if method == "none" or sizes.get(AXIS, 1) == 1:
+        if segment_ids is not None:
+            return attention.textbook_attention(q_bthk, k_bthk, v_bthk, causal=causal,
+                                                segment_ids=segment_ids)
         return reference_attention(q_bthk, k_bthk, v_bthk, causal=causal)
     spec = qkv_spec(rules, sizes)
     local = LOCAL[method]
+    if segment_ids is None:
+        return jax.shard_map(
+            lambda q, k, v: local(q, k, v, causal=causal), mesh=mesh,
+            in_specs=(spec, spec, spec), out_specs=spec,
+        )(q_bthk, k_bthk, v_bthk)
     return jax.shard_map(
-        lambda q, k, v: local(q, k, v, causal=causal), mesh=mesh,
-        in_specs=(spec, spec, spec), out_specs=spec,
-    )(q_bthk, k_bthk, v_bthk)
+        lambda q, k, v, seg: local(q, k, v, causal=causal, segment_ids=seg), mesh=mesh,
+        in_specs=(spec, spec, spec, PartitionSpec(*spec[:2])), out_specs=spec,
+    )(q_bthk, k_bthk, v_bthk, segment_ids)
+
+
+def check_segments(method: str, segment_ids: jax.Array | None) -> None:
+    """Document masks reach ring and Ulysses attention, not the all-gather baseline."""
+    if segment_ids is not None and method == "allgather":
+        raise ConfigError(f"attention.context_parallel={method}: document masks (a packed "
+                          "batch's segment_ids) are applied by ring and ulysses only; use "
+                          "one of those, or a batch without segment_ids")
 
 
 def attend(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array,
@@ -319,21 +363,19 @@ def attend(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array,
     method = active_method()
     if method is None:
         return local(q_bthk, k_bthk, v_bthk)
-    if segment_ids is not None:
-        raise ConfigError(f"attention.context_parallel={method}: document masks (a packed "
-                          "batch's segment_ids) are not applied by context parallelism yet; "
-                          "use attention.context_parallel=none or a batch without "
-                          "segment_ids")
-    return context_attention(q_bthk, k_bthk, v_bthk)
+    check_segments(method, segment_ids)
+    return context_attention(q_bthk, k_bthk, v_bthk, segment_ids=segment_ids)
 
 
-def context_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array) -> jax.Array:
+def context_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *,
+                      segment_ids: jax.Array | None = None) -> jax.Array:
     """Causal attention with the active method (see ``active_method``) and rules."""
     method = active_method()
     if method is None:
         raise ShardingError("context_attention: no context-parallel method is active here")
     mesh, rules = sharding.active_rules()
-    return sequence_attention(q_bthk, k_bthk, v_bthk, method=method, mesh=mesh, rules=rules)
+    return sequence_attention(q_bthk, k_bthk, v_bthk, method=method, mesh=mesh, rules=rules,
+                              segment_ids=segment_ids)
 
 
 def attention_comm_blocks(method: str, n: int, *, causal: bool = True) -> Fraction:
