@@ -57,8 +57,9 @@ def test_published_peaks_match_device_kinds():
     ("bthk,hkd->btd", (2, 8, 4, 4), (4, 4, 16)),
 ])
 def test_linear_has_autodiffs_gradients(spec, x_shape, w_shape):
-    """``layers.linear`` (the CPU-friendly weight gradient) against plain einsum autodiff."""
-    from shardlib.models.layers import linear
+    """``layers.cpu_linear`` (the CPU-friendly weight gradient) against plain einsum
+    autodiff."""
+    from shardlib.models.layers import cpu_linear as linear
 
     rng = np.random.default_rng(0)
     x, w = rng.standard_normal(x_shape, np.float32), rng.standard_normal(w_shape, np.float32)
@@ -75,6 +76,18 @@ def test_linear_has_autodiffs_gradients(spec, x_shape, w_shape):
     for got, want in zip(grads, expected, strict=True):
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend, custom", [("cpu", True), ("gpu", False), ("tpu", False)])
+def test_linear_takes_the_cpu_form_only_on_cpu(monkeypatch, backend, custom):
+    """The CPU weight-gradient workaround stays off the accelerator path: there ``linear``
+    is the plain einsum that XLA GPU/TPU lay out themselves."""
+    from shardlib.models import layers
+
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: backend)
+    x, w = jnp.ones((2, 8, 16)), jnp.ones((16, 64))
+    jaxpr = str(jax.make_jaxpr(lambda x, w: layers.linear("btd,df->btf", x, w))(x, w))
+    assert ("custom_vjp_call" in jaxpr) is custom, jaxpr
 
 
 def test_step_time_waits_for_the_results():

@@ -198,14 +198,23 @@ class Attention(nnx.Module):
         return q_bthk, k_bthk, v_bthk
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
 def linear(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """``jnp.einsum(spec, x, w)`` of an activation and a weight, with autodiff's gradients,
-    but when the output gradient ``g`` is the larger operand the weight gradient is one
-    einsum ``x, g -> w`` in the weight's own dim order. Autodiff's form makes XLA CPU
-    transpose ``g`` inside the fused elementwise backward that produces it (GELU's,
-    RoPE's): a strided loop that took ~30% of a d_model-512 step. This form transposes
-    the smaller activation instead (see docs/results/performance.md)."""
+    """``jnp.einsum(spec, x, w)`` of an activation and a weight. On XLA CPU its weight
+    gradient takes ``cpu_linear``'s form; GPU and TPU get the plain einsum and autodiff,
+    which their compilers lay out themselves."""
+    if jax.default_backend() == "cpu":
+        return cpu_linear(spec, x, w)
+    return jnp.einsum(spec, x, w)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def cpu_linear(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    """``jnp.einsum(spec, x, w)`` with autodiff's gradients, but when the output gradient
+    ``g`` is the larger operand the weight gradient is one einsum ``x, g -> w`` in the
+    weight's own dim order. Autodiff's form makes XLA CPU transpose ``g`` inside the fused
+    elementwise backward that produces it (GELU's, RoPE's): a strided loop that took ~30%
+    of a d_model-512 step. This form transposes the smaller activation instead (see
+    docs/results/performance.md)."""
     return jnp.einsum(spec, x, w)
 
 
@@ -223,7 +232,7 @@ def _linear_bwd(spec: str, residuals: tuple[jax.Array, jax.Array], g: jax.Array)
     return dx, jnp.einsum(f"{x_dims},{out}->{w_dims}", x, g).astype(w.dtype)
 
 
-linear.defvjp(_linear_fwd, _linear_bwd)
+cpu_linear.defvjp(_linear_fwd, _linear_bwd)
 
 
 def gathered_kv_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *,
