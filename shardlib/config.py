@@ -33,6 +33,11 @@ class MeshConfig:
     # forward: 2 (F-1)/F P bytes, but every layer's gathered weights stay alive until
     # its backward (torchtitan's reshard_after_forward).
     reshard_after_forward: bool = True
+    # true: the FSDP gathers / reduce-scatters and Megatron TP/SP collectives are written
+    # by hand in shard_map (real reduce-scatters on XLA CPU, bf16 gathers, one layer at a
+    # time). false: left to XLA's partitioner (GSPMD) from the shardings alone; pipeline,
+    # context parallelism and the comm.* paths are manual either way.
+    explicit_collectives: bool = True
     auto: bool = False  # `--mesh auto`: shardlib.planner picks the degrees, remat, microbatches
 
     def degrees(self) -> dict[str, int]:

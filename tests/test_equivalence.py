@@ -23,6 +23,9 @@ STRATEGIES = {
     "fsdp=4,tensor=2,sp": MeshConfig(data=1, fsdp=4, tensor=2, sequence_parallel=True),
     "data=2,sequence=4": MeshConfig(data=2, sequence=4),
     "fsdp=2,sequence=2,tensor=2": MeshConfig(data=1, fsdp=2, sequence=2, tensor=2),
+    # the same FSDP + TP left to XLA's partitioner (mesh.explicit_collectives=false)
+    "data=2,fsdp=2,tensor=2,xla": MeshConfig(data=2, fsdp=2, tensor=2,
+                                             explicit_collectives=False),
 }
 
 

@@ -145,16 +145,17 @@ def applies(sizes: Mapping[str, int], rules: Mapping[str, tuple[str, ...]], *,
 def applies_to(config: Config, sizes: Mapping[str, int],
                rules: Mapping[str, tuple[str, ...]]) -> bool:
     """``applies`` for a ``Config`` (its model, sequence length and mesh options) on a
-    mesh of ``sizes`` with ``rules``: the one test the train step and the planner share."""
-    return applies(sizes, rules, num_experts=config.model.num_experts,
-                   seq_len=config.train.seq_len,
-                   sequence_parallel=config.mesh.sequence_parallel)
+    mesh of ``sizes`` with ``rules``: the one test the train step and the planner share.
+    Never with ``mesh.explicit_collectives=false`` (XLA partitions TP itself)."""
+    return config.mesh.explicit_collectives and applies(
+        sizes, rules, num_experts=config.model.num_experts, seq_len=config.train.seq_len,
+        sequence_parallel=config.mesh.sequence_parallel)
 
 
 def gathers_by_hand(config: Config, sizes: Mapping[str, int]) -> bool:
     """Whether the train step gathers fsdp-split weights itself, one layer at a time
     (``parallel.fsdp`` or, with TP, here), rather than leaving it to XLA."""
-    if sizes.get("fsdp", 1) == 1:
+    if sizes.get("fsdp", 1) == 1 or not config.mesh.explicit_collectives:
         return False
     if fsdp.explicit_fsdp_applies(sizes):
         return True

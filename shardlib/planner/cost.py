@@ -273,6 +273,8 @@ def gathered_bytes(config: Config, cand: Candidate, gather_bytes: int) -> float:
 def explicit_path(config: Config, cand: Candidate) -> bool:
     """Whether the step gathers and reduce-scatters by hand (``parallel.fsdp``,
     ``parallel.tensor``): real reduce-scatters on every backend, one layer at a time."""
+    if not config.mesh.explicit_collectives:
+        return False
     if explicit_fsdp_applies(cand.sizes):
         return True
     config = cand.apply(config)
