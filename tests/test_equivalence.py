@@ -4,12 +4,16 @@ Three fp32 AdamW steps of the tiny GPT on each mesh give the single-device losse
 (elementwise, 1e-5 relative) and updated parameters (each tensor within 1e-5 relative
 error in norm). Per-element comparison would be wrong for Adam: a gradient that is ~0
 can flip sign under a different reduction order and move one element by lr.
+The gradients are also held to one device with the chunked (flash) attention kernel on
+every mesh.
 """
+
+import dataclasses
 
 import numpy as np
 import pytest
 
-from shardlib.config import MeshConfig
+from shardlib.config import AttentionConfig, MeshConfig
 from tests.helpers import loss_and_grads, relative_error, run_steps, tiny_config
 
 TOL = 1e-5
@@ -55,6 +59,20 @@ def reference_grads():
 def test_strategy_gradients_match_single_device(name, reference_grads):
     ref_loss, ref_grads = reference_grads
     loss, grads = loss_and_grads(tiny_config(STRATEGIES[name]))
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
+    errors = {path: relative_error(grads[path], ref_grads[path]) for path in ref_grads}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOL, f"{worst}: relative error {errors[worst]:.2e}"
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_chunked_attention_gradients_match_single_device(name, reference_grads):
+    """``attention.impl=chunked`` (blocks of 8 in T=32: the flash kernel's online softmax
+    and custom backward) on every mesh against one device with the textbook kernel."""
+    ref_loss, ref_grads = reference_grads
+    config = dataclasses.replace(tiny_config(STRATEGIES[name]),
+                                 attention=AttentionConfig(impl="chunked", chunk=8))
+    loss, grads = loss_and_grads(config)
     assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
     errors = {path: relative_error(grads[path], ref_grads[path]) for path in ref_grads}
     worst = max(errors, key=errors.get)
