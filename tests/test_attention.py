@@ -230,11 +230,17 @@ def test_chunked_on_mesh_matches_textbook_on_one_device():
     shard_map on local heads) with the chunked kernel, blocks of 8 in T=32, GQA and a
     packed batch, against one device with the textbook kernel: loss and every gradient
     within the suites' 1e-5."""
-    batch = packed_batch(seed=1)
+    assert_packed_batch_matches_one_device(MeshConfig(data=2, fsdp=2, tensor=2),
+                                           AttentionConfig(impl="chunked", chunk=8), seed=1)
+
+
+def assert_packed_batch_matches_one_device(mesh: MeshConfig, attention: AttentionConfig,
+                                           seed: int) -> None:
+    """A packed GQA batch on ``mesh`` with ``attention`` against one device with the
+    textbook kernel: loss and every gradient within the suites' 1e-5."""
+    batch = packed_batch(seed=seed)
     ref_cfg = tiny_config(MeshConfig(data=1), num_kv_heads=2)
-    mesh_cfg = dataclasses.replace(tiny_config(MeshConfig(data=2, fsdp=2, tensor=2),
-                                               num_kv_heads=2),
-                                   attention=AttentionConfig(impl="chunked", chunk=8))
+    mesh_cfg = dataclasses.replace(tiny_config(mesh, num_kv_heads=2), attention=attention)
     ref_loss, ref_grads = grads_of(ref_cfg, batch, 1)
     loss, grads = grads_of(mesh_cfg, batch, 8)
     assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
@@ -265,16 +271,8 @@ def test_context_parallel_keeps_packed_documents_apart(method, mesh):
     zig-zag half at sequence=2) with the documents' segment ids travelling with K/V;
     Ulysses all-gathers the ids and runs the chunked kernel on its heads. GQA and a packed
     batch against one device with the textbook kernel, loss and gradients within 1e-5."""
-    batch = packed_batch(seed=2)
-    ref_cfg = tiny_config(MeshConfig(data=1), num_kv_heads=2)
-    ring_cfg = dataclasses.replace(tiny_config(mesh, num_kv_heads=2), attention=AttentionConfig(
-        impl="chunked", chunk=4, context_parallel=method))
-    ref_loss, ref_grads = grads_of(ref_cfg, batch, 1)
-    loss, grads = grads_of(ring_cfg, batch, 8)
-    assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
-    errors = {path: relative_error(grads[path], ref_grads[path]) for path in ref_grads}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= TOL, f"{worst}: relative error {errors[worst]:.2e}"
+    assert_packed_batch_matches_one_device(
+        mesh, AttentionConfig(impl="chunked", chunk=4, context_parallel=method), seed=2)
 
 
 def test_allgather_context_parallel_refuses_document_masks():
