@@ -146,20 +146,31 @@ def applies_to(config: Config, sizes: Mapping[str, int],
                rules: Mapping[str, tuple[str, ...]]) -> bool:
     """``applies`` for a ``Config`` (its model, sequence length and mesh options) on a
     mesh of ``sizes`` with ``rules``: the one test the train step and the planner share.
-    Never with ``mesh.explicit_collectives=false`` (XLA partitions TP itself)."""
-    return config.mesh.explicit_collectives and applies(
-        sizes, rules, num_experts=config.model.num_experts, seq_len=config.train.seq_len,
-        sequence_parallel=config.mesh.sequence_parallel)
+    Never with ``mesh.explicit_collectives=false`` (``by_hand``: XLA partitions TP)."""
+    return _megatron_fits(config, sizes, rules) and by_hand(config, sizes, rules)
+
+
+def _megatron_fits(config: Config, sizes: Mapping[str, int],
+                   rules: Mapping[str, tuple[str, ...]]) -> bool:
+    return applies(sizes, rules, num_experts=config.model.num_experts,
+                   seq_len=config.train.seq_len, sequence_parallel=config.mesh.sequence_parallel)
+
+
+def by_hand(config: Config, sizes: Mapping[str, int],
+            rules: Mapping[str, tuple[str, ...]]) -> bool:
+    """Whether the train step writes its data/fsdp/tensor collectives itself in shard_map
+    (``parallel.fsdp`` on a batch-axes-only mesh, Megatron TP/SP here): real
+    reduce-scatters on every backend, one layer at a time. Never with
+    ``mesh.explicit_collectives=false``, which leaves them to XLA's partitioner."""
+    return config.mesh.explicit_collectives and (
+        fsdp.explicit_fsdp_applies(sizes) or _megatron_fits(config, sizes, rules))
 
 
 def gathers_by_hand(config: Config, sizes: Mapping[str, int]) -> bool:
     """Whether the train step gathers fsdp-split weights itself, one layer at a time
     (``parallel.fsdp`` or, with TP, here), rather than leaving it to XLA."""
-    if sizes.get("fsdp", 1) == 1 or not config.mesh.explicit_collectives:
-        return False
-    if fsdp.explicit_fsdp_applies(sizes):
-        return True
-    return applies_to(config, sizes, make_rules(config.mesh, sizes, config.rules))
+    return sizes.get("fsdp", 1) > 1 and by_hand(
+        config, sizes, make_rules(config.mesh, sizes, config.rules))
 
 
 def tensor_loss(loss_fn: Callable[[nnx.State, dict], jax.Array], params: nnx.State,

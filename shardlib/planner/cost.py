@@ -49,7 +49,7 @@ from shardlib.analysis.peak import (
 from shardlib.analysis.theory import comm_terms, param_counts, state_bytes_per_device
 from shardlib.config import Config
 from shardlib.parallel import tensor
-from shardlib.parallel.fsdp import BATCH_AXES, explicit_fsdp_applies
+from shardlib.parallel.fsdp import BATCH_AXES
 from shardlib.planner.profiles import DeviceProfile, link_for
 from shardlib.planner.space import Candidate
 from shardlib.sharding import make_rules
@@ -272,14 +272,10 @@ def gathered_bytes(config: Config, cand: Candidate, gather_bytes: int) -> float:
 @functools.lru_cache(maxsize=4096)
 def explicit_path(config: Config, cand: Candidate) -> bool:
     """Whether the step gathers and reduce-scatters by hand (``parallel.fsdp``,
-    ``parallel.tensor``): real reduce-scatters on every backend, one layer at a time."""
-    if not config.mesh.explicit_collectives:
-        return False
-    if explicit_fsdp_applies(cand.sizes):
-        return True
+    ``parallel.tensor``): ``tensor.by_hand`` for the candidate."""
     config = cand.apply(config)
     rules = make_rules(config.mesh, cand.sizes, config.rules)  # as build_setup makes them
-    return tensor.applies_to(config, cand.sizes, rules)
+    return tensor.by_hand(config, cand.sizes, rules)
 
 
 def memory_traffic(config: Config, cand: Candidate, compute_bytes: int,

@@ -67,7 +67,7 @@ def loss_and_metrics(setup: TrainSetup, params: nnx.State,
             batch_spec=setup.batch_sharding.spec, cast=cast, rules=setup.rules,
             reshard_after_forward=reshard,
             sequence_parallel=setup.config.mesh.sequence_parallel)
-    if not (setup.config.mesh.explicit_collectives and fsdp.explicit_fsdp_applies(setup.sizes)):
+    if not tensor.by_hand(setup.config, setup.sizes, setup.rules):
         return model_loss(setup, setup.rules, cast(params), batch)  # XLA's partitioner
     manual = fsdp.manual_axes(setup.sizes)
     local_rules = {dim: tuple(a for a in axes if a not in manual)
