@@ -240,11 +240,16 @@ def _flash_fwd(q, k, v, seg_q, seg_k, causal, block_q, block_k):
 def _flash_bwd(causal, block_q, block_k, residuals, d_out):
     q, k, v, seg_q, seg_k, out, lse = residuals
     plan = _Plan(q, k, causal, block_q, block_k, seg_q is not None)
-    dq, dk, dv = _backward(plan, q, k, v, seg_q, seg_k, out, lse, d_out)
+    return _input_cotangents(_backward(plan, q, k, v, seg_q, seg_k, out, lse, d_out),
+                             seg_q, seg_k)
+
+
+def _input_cotangents(dq_dk_dv: tuple, seg_q, seg_k) -> tuple:
+    """(dq, dk, dv, and the segment ids' cotangents: float0 for integer inputs)."""
     if seg_q is None:
-        return dq, dk, dv, None, None
-    float0 = lambda s: jnp.zeros(s.shape, jax.dtypes.float0)  # integer inputs' cotangent
-    return dq, dk, dv, float0(seg_q), float0(seg_k)
+        return (*dq_dk_dv, None, None)
+    float0 = lambda s: jnp.zeros(s.shape, jax.dtypes.float0)  # noqa: E731
+    return (*dq_dk_dv, float0(seg_q), float0(seg_k))
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -268,9 +273,7 @@ def _lse_blocks(plan: _Plan, lse_bth):
 
 @partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _flash_lse(q, k, v, seg_q, seg_k, causal, block_q, block_k):
-    plan = _Plan(q, k, causal, block_q, block_k, seg_q is not None)
-    out, lse = _forward(plan, q, k, v, seg_q, seg_k, jnp.float32)
-    return out, _lse_bth(plan, lse)
+    return _flash_lse_fwd(q, k, v, seg_q, seg_k, causal, block_q, block_k)[0]
 
 
 def _flash_lse_fwd(q, k, v, seg_q, seg_k, causal, block_q, block_k):
@@ -283,12 +286,9 @@ def _flash_lse_bwd(causal, block_q, block_k, residuals, cotangents):
     q, k, v, seg_q, seg_k, out, lse = residuals
     d_out, d_lse_bth = cotangents
     plan = _Plan(q, k, causal, block_q, block_k, seg_q is not None)
-    dq, dk, dv = _backward(plan, q, k, v, seg_q, seg_k, out, lse, d_out,
-                           _lse_blocks(plan, d_lse_bth.astype(jnp.float32)))
-    if seg_q is None:
-        return dq, dk, dv, None, None
-    float0 = lambda s: jnp.zeros(s.shape, jax.dtypes.float0)  # noqa: E731
-    return dq, dk, dv, float0(seg_q), float0(seg_k)
+    grads = _backward(plan, q, k, v, seg_q, seg_k, out, lse, d_out,
+                      _lse_blocks(plan, d_lse_bth.astype(jnp.float32)))
+    return _input_cotangents(grads, seg_q, seg_k)
 
 
 _flash_lse.defvjp(_flash_lse_fwd, _flash_lse_bwd)
