@@ -292,8 +292,9 @@ def ulysses_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *
 
 
 def allgather_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *,
-                        causal: bool) -> jax.Array:
-    """All-gather K/V along the sequence; local queries attend all keys."""
+                        causal: bool, segment_ids: Segments = None) -> jax.Array:
+    """All-gather K/V along the sequence; local queries attend all keys. No document
+    masks (``check_segments`` refuses them before)."""
     kv_cbshk = jax.lax.all_gather(jnp.stack([k_bthk, v_bthk]), AXIS, axis=2, tiled=True)
     offset = jax.lax.axis_index(AXIS) * q_bthk.shape[1]
     return reference_attention(q_bthk, kv_cbshk[0], kv_cbshk[1], causal=causal,
@@ -331,17 +332,10 @@ def sequence_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, 
     check_segments(method, segment_ids)
     sizes = dict(mesh.shape)
     if method == "none" or sizes.get(AXIS, 1) == 1:
-        if segment_ids is not None:
-            return attention.textbook_attention(q_bthk, k_bthk, v_bthk, causal=causal,
-                                                segment_ids=segment_ids)
-        return reference_attention(q_bthk, k_bthk, v_bthk, causal=causal)
+        return attention.textbook_attention(q_bthk, k_bthk, v_bthk, causal=causal,
+                                            segment_ids=segment_ids)
     spec = qkv_spec(rules, sizes)
     local = LOCAL[method]
-    if segment_ids is None:
-        return jax.shard_map(
-            lambda q, k, v: local(q, k, v, causal=causal), mesh=mesh,
-            in_specs=(spec, spec, spec), out_specs=spec,
-        )(q_bthk, k_bthk, v_bthk)
     return jax.shard_map(
         lambda q, k, v, seg: local(q, k, v, causal=causal, segment_ids=seg), mesh=mesh,
         in_specs=(spec, spec, spec, PartitionSpec(*spec[:2])), out_specs=spec,
