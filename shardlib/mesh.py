@@ -86,6 +86,23 @@ def simulate_cpu_devices(num_devices: int) -> None:
     jax.config.update("jax_num_cpu_devices", num_devices)
 
 
+GPU_PLATFORM_NAMES = ("gpu", "cuda", "rocm")
+
+
+def platform_of(where: Mesh | Sequence[jax.Device] | jax.Device) -> str:
+    """``cpu``, ``gpu`` or ``tpu``: the platform of a mesh's (or device list's) devices,
+    which may be a TPU slice or GPU node compiled for from a CPU host (``shardlib.target``),
+    unlike ``jax.default_backend()``, which is always the host's."""
+    if isinstance(where, Mesh):
+        device = where.devices.flat[0]
+    elif isinstance(where, jax.Device):
+        device = where
+    else:
+        device = list(where)[0]
+    name = device.platform.lower()
+    return "gpu" if name in GPU_PLATFORM_NAMES else name
+
+
 def has_accelerator() -> bool:
     """True if JAX's default backend is a GPU or TPU."""
     return jax.default_backend() != "cpu"
@@ -117,5 +134,7 @@ def describe(mesh: Mesh) -> str:
     """One line: ``mesh data=2 pipeline=1 fsdp=2 expert=1 sequence=1 tensor=2 (8 cpu
     devices)``."""
     sizes = " ".join(f"{name}={size}" for name, size in mesh.shape.items())
-    platform = mesh.devices.flat[0].platform
+    platform = platform_of(mesh)
+    kind = mesh.devices.flat[0].device_kind if platform != "cpu" else ""
+    platform = f"{kind} ({platform})" if kind else platform
     return f"mesh {sizes} ({mesh.devices.size} {platform} devices)"

@@ -136,10 +136,10 @@ def select_tree(pred: jax.Array, on_true, on_false):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
-def describe(cfg: PrecisionConfig, policy: Policy) -> str:
-    """One start-up line: the dtypes that run, and why (``auto``'s pick)."""
+def describe(cfg: PrecisionConfig, policy: Policy, backend: str | None = None) -> str:
+    """One start-up line: the dtypes that run, and why (``auto``'s pick on ``backend``)."""
     how = f"precision.policy={cfg.policy}" + (
-        f" on {jax.default_backend()}" if cfg.policy == "auto" else "")
+        f" on {backend or jax.default_backend()}" if cfg.policy == "auto" else "")
     return (f"precision: compute {policy.compute.name}, params {policy.param.name}, "
             f"grads {policy.grad.name}{', fp16 loss scaling' if policy.loss_scaling else ''} "
             f"({how})")

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from shardlib.analysis.tables import rules_line, sharding_table
 from shardlib.errors import ConfigError
-from shardlib.mesh import describe
+from shardlib.mesh import describe, platform_of
 from shardlib.models.attention import describe as describe_attention
 from shardlib.precision import describe as describe_precision
 from shardlib.run.goodput import format_breakdown
@@ -69,10 +69,11 @@ class ConsoleReporter:
         model = setup.config.model
         self.console.print(describe(setup.mesh))
         self.console.print(rules_line(setup))
-        self.console.print(describe_precision(setup.config.precision, setup.policy))
+        platform = platform_of(setup.mesh)
+        self.console.print(describe_precision(setup.config.precision, setup.policy, platform))
         self.console.print(describe_attention(
             setup.config.attention.impl, seq_len=setup.config.train.seq_len,
-            dtype=setup.policy.compute, head_dim=model.head_dim))
+            dtype=setup.policy.compute, head_dim=model.head_dim, backend=platform))
         self.console.print(f"model {model.name}: {info['params']:,} parameters, "
                            f"{model.num_layers} layers, d_model {model.d_model}")
         self.console.print(sharding_table(setup))

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardlib.config import MeshConfig
 from shardlib.errors import ShardingError
-from shardlib.mesh import MESH_AXES
+from shardlib.mesh import MESH_AXES, platform_of
 
 Rules = dict[str, tuple[str, ...]]
 
@@ -184,6 +184,33 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     context = jax.sharding.get_abstract_mesh()
     target = context if not context.empty and context.manual_axes else mesh
     return jax.lax.with_sharding_constraint(x, NamedSharding(target, spec))
+
+
+_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "shardlib_platform", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(mesh: Mesh) -> Iterator[None]:
+    """Within this block (while tracing) ``compute_platform()`` is ``mesh``'s platform:
+    the train step wraps its body in this, so a step built over TPU or GPU devices from a
+    CPU host (``shardlib.target``) takes the TPU or GPU code paths."""
+    token = _PLATFORM.set(platform_of(mesh))
+    try:
+        yield
+    finally:
+        _PLATFORM.reset(token)
+
+
+def compute_platform() -> str:
+    """``cpu``, ``gpu`` or ``tpu``: what the trace in progress compiles for (the enclosing
+    ``compiling_for`` or ``activation_rules`` mesh's platform; else JAX's default backend).
+    Kernel, precision and collective choices ask this, never ``jax.default_backend()``."""
+    chosen = _PLATFORM.get()
+    if chosen is not None:
+        return chosen
+    active = _ACTIVE.get()
+    return platform_of(active[0]) if active else platform_of(jax.devices()[0])
 
 
 def current_mesh() -> Mesh | None:

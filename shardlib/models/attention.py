@@ -43,6 +43,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 
 from shardlib.errors import ConfigError
 from shardlib.models.flash import chunked_attention
+from shardlib.sharding import compute_platform
 
 KERNELS = ("xla", "chunked", "cudnn", "splash", "auto")
 SPLASH_BLOCK = 128  # splash's query / key block: the sequence must be a multiple of it
@@ -56,11 +57,11 @@ def check_kernel(kernel: str, chunk: int, *, backend: str) -> None:
         raise ConfigError(f"attention.impl={kernel!r}: unknown kernel; use one of "
                           f"{', '.join(KERNELS)} (e.g. --set attention.impl=chunked)")
     if kernel == "cudnn" and backend != "gpu":
-        raise ConfigError(f"attention.impl=cudnn needs a GPU, but JAX's backend is "
+        raise ConfigError(f"attention.impl=cudnn needs a GPU, but the mesh's platform is "
                           f"{backend!r}; use attention.impl=chunked (long sequences) or xla, "
                           "or auto (picks cudnn on GPU)")
     if kernel == "splash" and backend != "tpu":
-        raise ConfigError(f"attention.impl=splash needs a TPU, but JAX's backend is "
+        raise ConfigError(f"attention.impl=splash needs a TPU, but the mesh's platform is "
                           f"{backend!r}; use attention.impl=chunked (long sequences) or xla, "
                           "or auto (picks splash on TPU)")
     if chunk < 1:
@@ -79,9 +80,11 @@ def resolve(kernel: str, *, backend: str, seq_len: int, dtype, head_dim: int) ->
     return "chunked" if seq_len >= AUTO_CHUNKED_FROM else "xla"
 
 
-def describe(kernel: str, *, seq_len: int, dtype, head_dim: int) -> str:
-    """One start-up line saying what ``attention.impl`` runs on this backend."""
-    backend = jax.default_backend()
+def describe(kernel: str, *, seq_len: int, dtype, head_dim: int,
+             backend: str | None = None) -> str:
+    """One start-up line saying what ``attention.impl`` runs on ``backend`` (default: the
+    platform being compiled for, ``sharding.compute_platform``)."""
+    backend = compute_platform() if backend is None else backend
     chosen = resolve(kernel, backend=backend, seq_len=seq_len, dtype=dtype, head_dim=head_dim)
     return (f"attention: {chosen} kernel (attention.impl={kernel}; {backend}, "
             f"{jnp.dtype(dtype).name}, T={seq_len})")
@@ -113,7 +116,7 @@ _DOCUMENTS: contextvars.ContextVar[Documents | None] = contextvars.ContextVar(
 @contextlib.contextmanager
 def using_kernel(kernel: str, chunk: int = 512) -> Iterator[None]:
     """Within this block (while tracing) the model's attention runs ``kernel``."""
-    check_kernel(kernel, chunk, backend=jax.default_backend())
+    check_kernel(kernel, chunk, backend=compute_platform())
     token = _KERNEL.set(KernelChoice(kernel, chunk))
     try:
         yield
@@ -202,7 +205,8 @@ def splash_attention(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
     k_bhsk, v_bhsk = (jnp.swapaxes(jnp.repeat(a, h // g, axis=2), 1, 2) for a in (k_bsgk, v_bsgk))
     ids_bt = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids
     per_row = lambda q, k, v, ids: kernel(q, k, v, segment_ids=splash_kernel.SegmentIds(ids, ids))  # noqa: E731
-    return jnp.swapaxes(jax.vmap(per_row)(q_bhtk, k_bhsk, v_bhsk, ids_bt), 1, 2)
+    rows = lambda q, k, v, ids: jax.vmap(per_row)(q, k, v, ids)  # noqa: E731
+    return jnp.swapaxes(rows(q_bhtk, k_bhsk, v_bhsk, ids_bt), 1, 2)
 
 
 def attend(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
@@ -212,15 +216,16 @@ def attend(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
     active = active_kernel()
     kernel = active.kernel if kernel is None else kernel
     chunk = active.chunk if chunk is None else chunk
-    chosen = resolve(kernel, backend=jax.default_backend(), seq_len=q_bthk.shape[1],
+    backend = compute_platform()
+    chosen = resolve(kernel, backend=backend, seq_len=q_bthk.shape[1],
                      dtype=q_bthk.dtype, head_dim=q_bthk.shape[-1])
     if chosen == "chunked":
         return chunked_attention(q_bthk, k_bsgk, v_bsgk, causal=causal,
                                  segment_ids=segment_ids, block_q=chunk, block_k=chunk)
     if chosen == "splash":
-        check_kernel(chosen, chunk, backend=jax.default_backend())
+        check_kernel(chosen, chunk, backend=backend)
         return splash_attention(q_bthk, k_bsgk, v_bsgk, causal=causal, segment_ids=segment_ids)
     if chosen == "cudnn":
-        check_kernel(chosen, chunk, backend=jax.default_backend())
+        check_kernel(chosen, chunk, backend=backend)
         return cudnn_attention(q_bthk, k_bsgk, v_bsgk, causal=causal, segment_ids=segment_ids)
     return textbook_attention(q_bthk, k_bsgk, v_bsgk, causal=causal, segment_ids=segment_ids)

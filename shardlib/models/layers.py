@@ -20,7 +20,7 @@ from flax import nnx
 
 from shardlib import hooks
 from shardlib.models import attention
-from shardlib.sharding import constrain
+from shardlib.sharding import compute_platform, constrain
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
 
@@ -202,7 +202,7 @@ def linear(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     """``jnp.einsum(spec, x, w)`` of an activation and a weight. On XLA CPU its weight
     gradient takes ``cpu_linear``'s form; GPU and TPU get the plain einsum and autodiff,
     which their compilers lay out themselves."""
-    if jax.default_backend() == "cpu":
+    if compute_platform() == "cpu":
         return cpu_linear(spec, x, w)
     return jnp.einsum(spec, x, w)
 

@@ -29,7 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from shardlib import hooks
-from shardlib.sharding import Rules, logical_to_spec
+from shardlib.sharding import Rules, compute_platform, logical_to_spec
 
 BATCH_AXES = ("data", "fsdp")
 
@@ -93,7 +93,7 @@ def weight_gatherer(rules: Rules, sizes: Mapping[str, int],
     ``replicas``: manual axes holding whole copies of the shards (``data``): each shard is
     made varying over them first, so its gradient is all-reduced there in this unit's
     backward (``pcast``'s transpose), not for the whole model after the layer scan."""
-    cpu = jax.default_backend() == "cpu"
+    cpu = compute_platform() == "cpu"
 
     def one(var: nnx.Variable) -> nnx.Variable:
         value = jax.lax.pcast(var[...], replicas, to="varying") if replicas else var[...]

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardlib import sharding
 from shardlib.config import CommConfig, Config, OptimConfig
 from shardlib.errors import ConfigError
-from shardlib.mesh import MESH_AXES, make_mesh, resolve_degrees
+from shardlib.mesh import MESH_AXES, make_mesh, platform_of, resolve_degrees
 from shardlib.models import GPT, check_model
 from shardlib.models.attention import check_kernel
 from shardlib.models.moe import check_moe
@@ -122,16 +122,15 @@ def named_tree(specs: nnx.State, mesh: Mesh) -> nnx.State:
 def build_setup(config: Config, devices: list[jax.Device] | None = None) -> TrainSetup:
     """Mesh, rules and every sharding, validated before any array is allocated."""
     check_model(config.model)
-    policy = resolve_policy(config.precision)
     devices = list(jax.devices() if devices is None else devices)
+    policy = resolve_policy(config.precision, platform_of(devices))
     mesh = make_mesh(mesh_degrees(config, len(devices)), devices)
     sizes = dict(mesh.shape)
     check_moe(config.model, sizes)
     check_context_parallel(config.attention.context_parallel, sizes=sizes,
                            num_heads=config.model.num_heads, seq_len=config.train.seq_len)
     check_pipeline(config, sizes)
-    check_kernel(config.attention.impl, config.attention.chunk,
-                 backend=devices[0].platform if devices else jax.default_backend())
+    check_kernel(config.attention.impl, config.attention.chunk, backend=platform_of(mesh))
     comm_lib.check_comm(config.comm, sizes, zero=config.mesh.zero,
                         loss_scaling=policy.loss_scaling)
     rules = sharding.make_rules(config.mesh, sizes, config.rules)

@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlib import precision
 from shardlib.errors import ConfigError
+from shardlib.sharding import compiling_for
 from shardlib.train import comm, diloco, nonfinite, pipeline
 from shardlib.train.objective import (  # noqa: F401  (loss_fn, model_loss: public here too)
     Batch,
@@ -116,7 +117,8 @@ def guarded_train_step(setup: TrainSetup, state: TrainState,
                        batch: Batch) -> tuple[TrainState, Metrics]:
     """``train_step`` under the ``train.on_nonfinite`` policy (``train.nonfinite``): with
     ``skip`` a step with a NaN/inf loss or grad norm keeps the old state."""
-    new_state, metrics = train_step(setup, state, batch)
+    with compiling_for(setup.mesh):  # the mesh's platform picks kernels, not the host's
+        new_state, metrics = train_step(setup, state, batch)
     return nonfinite.guard_step(setup.config.train, setup.policy.loss_scaling, state,
                                 new_state, metrics), metrics
 
@@ -143,7 +145,12 @@ def make_train_step(setup: TrainSetup, *, donate: bool = True
 def make_eval_step(setup: TrainSetup) -> Callable[[nnx.State, Batch], jax.Array]:
     """Cross-entropy on a held-out batch, no gradients."""
     batch_sh = setup.batch_sharding  # every batch key (inputs, targets, segment_ids, ...)
+
+    def eval_loss(params: nnx.State, batch: Batch) -> jax.Array:
+        with compiling_for(setup.mesh):
+            return loss_and_metrics(setup, params, batch)[1]["loss"]
+
     return jax.jit(
-        lambda params, batch: loss_and_metrics(setup, params, batch)[1]["loss"],
+        eval_loss,
         in_shardings=(setup.state_shardings.params, batch_sh),
     )
