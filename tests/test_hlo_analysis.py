@@ -212,11 +212,39 @@ def test_nested_while_trip_counts_multiply(mesh_dt):
     assert comm_bytes_per_device(cs) == 12 * 32 + 4 * 128 * 3 // 4
 
 
-def test_while_without_trip_count_counts_once_with_a_note(mesh_dt):
+def test_while_without_trip_count_reads_it_off_the_condition(mesh_dt):
+    """The TPU compiler prints no ``known_trip_count``: ``i < constant(4)`` gives it."""
     cs = parse_collectives(_loops(""), mesh_dt)
     by_kind = {c.kind: c for c in cs}
+    assert (by_kind["all-gather"].count, by_kind["all-reduce"].count) == (4, 12)
+    assert not any("unknown trip count" in n for n in by_kind["all-reduce"].notes)
+
+
+def test_while_with_an_unreadable_condition_counts_once_with_a_note(mesh_dt):
+    text = _loops("").replace("ROOT %outer_lt = pred[] compare(%outer_i, %outer_n), "
+                              "direction=LT", "ROOT %outer_lt = pred[] compare(%outer_i, "
+                              "%outer_i), direction=NE")
+    by_kind = {c.kind: c for c in parse_collectives(text, mesh_dt)}
     assert (by_kind["all-gather"].count, by_kind["all-reduce"].count) == (1, 3)
     assert any("unknown trip count" in n for n in by_kind["all-reduce"].notes)
+
+
+def test_a_tpu_collective_split_into_start_continuation_and_done_counts_once(mesh_dt):
+    """The TPU compiler's async collective fusions: one ``chain_id``, a copy of the
+    all-gather in the start, each continuation and the done fusion."""
+    gather = ("  ROOT %ag_{0} = f32[8]{{0}} all-gather(%p), channel_id=1, replica_groups="
+              "[4,2]<=[8], dimensions={{0}}, use_global_device_ids=true, "
+              'frontend_attributes={{chain_id="7"}}')
+    fusions = "".join(f"%{part}_comp (p: f32[4]) -> f32[8] {{\n  %p = f32[4]{{0}} "
+                      f"parameter(0)\n{gather.format(part)}\n}}\n"
+                      for part in ("start", "more", "done"))
+    body = ("  %async-collective-start.3 = f32[8]{0} fusion(%a), kind=kCustom, "
+            "calls=%start_comp\n"
+            "  %fusion.9 = f32[8]{0} fusion(%a), kind=kCustom, calls=%more_comp\n"
+            "  ROOT %async-collective-done.3 = f32[8]{0} fusion(%a), kind=kCustom, "
+            "calls=%done_comp")
+    cs = parse_collectives(_module(body, "a: f32[4]", fusions), mesh_dt)
+    assert [(c.kind, c.count, c.computation) for c in cs] == [("all-gather", 1, "start_comp")]
 
 
 DYNAMIC_SLICE = """

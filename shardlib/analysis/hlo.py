@@ -318,9 +318,29 @@ def parse_collectives(hlo_text: str, mesh: Mesh) -> list[Collective]:
                             f"{mesh.devices.size} devices; pass the mesh it was compiled for")
     counts = computation_runs(module)
     wanted = set(KINDS) | {k + "-start" for k in KINDS}
+    chains = chain_leaders(module)
     return [_collective(module, comp, instr, mesh, counts[comp])
             for comp, instrs in module.comps.items()
-            for instr in instrs if instr.opcode in wanted]
+            for instr in instrs if instr.opcode in wanted and chains.get(instr.name, True)]
+
+
+def chain_leaders(module) -> dict[str, bool]:
+    """For collectives the TPU compiler splits into a start, continuation and done fusion
+    (one ``chain_id``, each fusion holding a copy of the op): True for the copy in the
+    start fusion, False for the others, so one logical collective counts once."""
+    calls = {callee: instr.name for instrs in module.comps.values() for instr in instrs
+             for callee in re.findall(r"\bcalls=%?([\w.\-]+)", instr.attrs)}
+    members: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for comp, instrs in module.comps.items():
+        for instr in instrs:
+            if chain := re.search(r'chain_id="(\d+)"', instr.attrs):
+                members[chain.group(1)].append((instr.name, calls.get(comp, "")))
+    out = {}
+    for group in members.values():
+        lead = next((n for n, caller in group if caller.startswith("async-collective-start")),
+                    group[0][0])
+        out.update({name: name == lead for name, _ in group})
+    return out
 
 
 def compiled_text(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> str:

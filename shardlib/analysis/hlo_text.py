@@ -129,7 +129,20 @@ def parse_module(text: str) -> HloModule:
     return HloModule(comps, entry or list(comps)[-1], int(parts.group(1)) if parts else None)
 
 
-def _callees(instr: Instr) -> list[tuple[str, int, str]]:
+def trip_from_condition(module: HloModule, condition: str) -> int | None:
+    """A while loop's trip count read off its condition, for compilers that leave out
+    ``known_trip_count`` (the TPU compiler): ``ROOT compare(i, constant(N)), direction=LT``
+    with ``i`` counting up from 0 by 1, as every ``lax.scan`` / ``fori_loop`` does."""
+    instrs = module.comps.get(condition, [])
+    constants = {i.name: i.raw_operands[0] for i in instrs if i.opcode == "constant"}
+    root = next((i for i in instrs if i.line.startswith("ROOT")), None)
+    if root is None or root.opcode != "compare" or "direction=LT" not in root.attrs:
+        return None
+    bound = constants.get(root.operands[1]) if len(root.operands) == 2 else None
+    return int(bound) if bound is not None and bound.lstrip("-").isdigit() else None
+
+
+def _callees(instr: Instr, module: HloModule | None = None) -> list[tuple[str, int, str]]:
     """(computation, runs per run of ``instr``, note) for computations it calls."""
     if instr.opcode.endswith(("-done", "-update")):
         return []  # async-done repeats the start's calls=; counting it would double
@@ -138,12 +151,16 @@ def _callees(instr: Instr) -> list[tuple[str, int, str]]:
                        r"=%?([\w.\-]+)", attrs)
     branches = re.findall(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}", attrs)
     out = []
-    trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', instr.attrs)
+    trip = int(known.group(1)) if known else None
+    if trip is None and instr.opcode == "while" and module is not None:
+        trip = next((trip_from_condition(module, comp) for role, comp in found
+                     if role == "condition"), None)
     for role, comp in found:
         if instr.opcode != "while":
             out.append((comp, 1, ""))
-        elif trip:
-            out.append((comp, int(trip.group(1)) + (role == "condition"), ""))
+        elif trip is not None:
+            out.append((comp, trip + (role == "condition"), ""))
         else:
             out.append((comp, 1, f"{instr.name}: unknown trip count, counted once"))
     for names in branches:
@@ -158,7 +175,7 @@ def computation_runs(module: HloModule) -> dict[str, tuple[int, tuple[str, ...]]
     callers: dict[str, list[tuple[str, int, str]]] = defaultdict(list)
     for comp, instrs in module.comps.items():
         for instr in instrs:
-            for callee, mult, note in _callees(instr):
+            for callee, mult, note in _callees(instr, module):
                 callers[callee].append((comp, mult, note))
     memo: dict[str, tuple[int, tuple[str, ...]]] = {module.entry: (1, ())}
 
