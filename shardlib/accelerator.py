@@ -50,22 +50,25 @@ def gpu_backend_expected(env: MutableMapping[str, str] | None = None) -> bool:
     return has_plugin and any(os.path.exists(node) for node in GPU_DEVICE_NODES)
 
 
-def gpu_flags_to_apply(env: MutableMapping[str, str] | None = None) -> list[str]:
-    """The ``--flag=value`` items ``apply_gpu_flags`` would add (none off GPU)."""
+def gpu_flags_to_apply(env: MutableMapping[str, str] | None = None, *,
+                       force: bool = False) -> list[str]:
+    """The ``--flag=value`` items ``apply_gpu_flags`` would add (none off GPU unless
+    ``force``: a GPU target compiled for from this host)."""
     env = os.environ if env is None else env
     if env.get("SHARDLIB_XLA_FLAGS", "1").strip().lower() in ("0", "false", "no", "off"):
         return []
-    if not gpu_backend_expected(env):
+    if not (force or gpu_backend_expected(env)):
         return []
     already = {item.split("=", 1)[0] for item in env.get("XLA_FLAGS", "").split()}
     return [f"{name}={value}" for name, value in GPU_FLAGS.items() if name not in already]
 
 
-def apply_gpu_flags(env: MutableMapping[str, str] | None = None) -> list[str]:
+def apply_gpu_flags(env: MutableMapping[str, str] | None = None, *,
+                    force: bool = False) -> list[str]:
     """Append the recommended GPU flags the user did not set to ``XLA_FLAGS``; return
-    them (empty: nothing changed, e.g. on CPU or TPU)."""
+    them (empty: nothing changed, e.g. on CPU or TPU). ``force``: for a GPU target."""
     env = os.environ if env is None else env
-    added = gpu_flags_to_apply(env)
+    added = gpu_flags_to_apply(env, force=force)
     if added:
         env["XLA_FLAGS"] = " ".join([*env.get("XLA_FLAGS", "").split(), *added])
     return added

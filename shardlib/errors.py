@@ -27,3 +27,12 @@ class DamagedCheckpointError(CheckpointError):
 
 class DistributedError(ShardlibError):
     """A multi-process run cannot start: a bad coordinator, or processes that never join."""
+
+
+class OutOfMemoryError(ShardlibError):
+    """A target's compiler refused the step: it needs more memory than a device has."""
+
+    def __init__(self, message: str, *, required_bytes: int | None = None,
+                 available_bytes: int | None = None):
+        super().__init__(message)
+        self.required_bytes, self.available_bytes = required_bytes, available_bytes

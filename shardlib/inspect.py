@@ -8,6 +8,7 @@ for a person, with the parameter sharding table first.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections import defaultdict
@@ -22,14 +23,18 @@ from rich.table import Table
 
 from shardlib.analysis.flops import FlopsReport, flops_report
 from shardlib.analysis.hlo import Collective, comm_bytes_per_device, parse_collectives
+from shardlib.analysis.kernels import KernelFacts, compiled_attention, kernel_facts
 from shardlib.analysis.memory import MemoryReport, memory_report
 from shardlib.analysis.peak import PeakTerms, peak_terms
 from shardlib.analysis.tables import rules_line, sharding_table
 from shardlib.analysis.theory import Term, comm_bytes, comm_terms, state_bytes_per_device
 from shardlib.config import Config, to_dict
-from shardlib.mesh import describe
+from shardlib.errors import OutOfMemoryError
+from shardlib.mesh import describe, platform_of
 from shardlib.models import count_params
+from shardlib.models.attention import resolve as resolve_attention
 from shardlib.parallel import tensor
+from shardlib.target import Target, parse_target
 from shardlib.train.state import TrainSetup, abstract_state, build_setup, param_table
 from shardlib.train.step import make_train_step
 from shardlib.units import format_bytes
@@ -46,6 +51,15 @@ class Inspection:
     peak: PeakTerms  # the formula the compiled peak is held against (``analysis.peak``)
     flops: FlopsReport
     compile_s: float
+    kernels: KernelFacts
+    attention: str  # the attention kernel the step compiled (``analysis.kernels``)
+    target: Target | None = None  # compiled for a TPU slice / GPU node, not these devices
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the compiled peak fits one device of the target (None without one)."""
+        peak = self.memory.peak_bytes
+        return None if self.target is None or peak is None else peak <= self.target.hbm_bytes
 
     @property
     def comm_bytes(self) -> int:
@@ -85,18 +99,62 @@ def abstract_batch(setup: TrainSetup) -> dict[str, jax.ShapeDtypeStruct]:
     return {"inputs": tokens, "targets": tokens}
 
 
-def analyze(config: Config, devices: list[jax.Device] | None = None) -> Inspection:
-    """Build the setup, AOT-compile the train step and measure it against the theory."""
-    setup = build_setup(config, devices)
+def analyze(config: Config, devices: list[jax.Device] | None = None, *,
+            target: str | Target | None = None) -> Inspection:
+    """Build the setup, AOT-compile the train step and measure it against the theory.
+    ``target`` (``v5p-128``, ``h100x8``, ...): compile for that slice or node instead of
+    ``devices`` (``shardlib.target``); ``OutOfMemoryError`` if its compiler refuses the
+    step for want of device memory."""
+    target = parse_target(target) if isinstance(target, str) else target
+    setup = build_setup(config, target.devices() if target else devices)
     state, batch = abstract_state(setup), abstract_batch(setup)
     started = time.perf_counter()
-    compiled = make_train_step(setup).lower(state, batch).compile()
+    compiled = compile_step(setup, state, batch, target)
     compile_s = time.perf_counter() - started
-    collectives = parse_collectives(compiled.as_text(), setup.mesh)
+    text = compiled.as_text()
+    collectives = parse_collectives(text, setup.mesh)
     terms = comm_terms(config, setup.sizes)
     memory = memory_report(compiled, state, batch, state_bytes_per_device(config, setup.sizes))
     flops = flops_report(config, compiled, setup.mesh.devices.size)
-    return Inspection(setup, collectives, terms, memory, peak_formula(setup), flops, compile_s)
+    facts = kernel_facts(text)
+    return Inspection(setup, collectives, terms, memory, peak_formula(setup), flops, compile_s,
+                      facts, compiled_attention(attention_kernel(setup), facts), target)
+
+
+def compile_step(setup: TrainSetup, state: Any, batch: Any, target: Target | None):
+    """The compiled train step; a target compiler's out-of-memory refusal (TPU's
+    RESOURCE_EXHAUSTED) becomes ``OutOfMemoryError`` with its figures."""
+    try:
+        return make_train_step(setup).lower(state, batch).compile()
+    except jax.errors.JaxRuntimeError as err:
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        where = target.name if target else describe(setup.mesh)
+        needed, available = _sizes_in(str(err))
+        raise OutOfMemoryError(
+            f"{where}: the step does not fit one device's memory ({_first_line(err)}); use "
+            "more devices or fsdp, --remat full, a smaller batch or --grad-accum",
+            required_bytes=needed, available_bytes=available) from err
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0].removeprefix("RESOURCE_EXHAUSTED: ")
+
+
+def _sizes_in(message: str) -> tuple[int | None, int | None]:
+    """The first two sizes (``16.67G``, ``15.75G``) in a compiler's out-of-memory message."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    found = [float(v) * units[u] for v, u in re.findall(r"([\d.]+)([KMGT])i?B?\b", message)]
+    first, second = (found + [None, None])[:2]
+    return (None if first is None else int(first)), (None if second is None else int(second))
+
+
+def attention_kernel(setup: TrainSetup) -> str:
+    """The kernel ``attention.impl`` resolves to on the setup's platform."""
+    cfg, model = setup.config, setup.config.model
+    return resolve_attention(cfg.attention.impl, backend=platform_of(setup.mesh),
+                             seq_len=cfg.train.seq_len, dtype=setup.policy.compute,
+                             head_dim=model.head_dim)
 
 
 def peak_formula(setup: TrainSetup) -> PeakTerms:
@@ -179,12 +237,32 @@ def to_json(ins: Inspection) -> dict[str, Any]:
                    "peak_ratio": ins.peak_ratio},
         "flops": ins.flops.to_dict(),
         "params": param_rows(setup),
+        "attention_kernel": ins.attention, "kernels": ins.kernels.to_dict(),
+        "target": None if ins.target is None else target_dict(ins.target, fits=ins.fits),
     }
 
 
-def inspect(config: Config, devices: list[jax.Device] | None = None) -> dict[str, Any]:
-    """Compile ``config``'s train step without running it; see ``to_json``."""
-    return to_json(analyze(config, devices))
+def target_dict(target: Target, *, fits: bool | None, **extra: Any) -> dict[str, Any]:
+    """``target`` in ``--json``: the slice or node, its memory per device, the verdict."""
+    return {"name": target.name, "chip": target.chip.name, "platform": target.platform,
+            "topology": target.topology, "chips": target.num_chips,
+            "devices": target.num_devices, "hbm_bytes_per_device": target.hbm_bytes,
+            "fits": fits, **extra}
+
+
+def inspect(config: Config, devices: list[jax.Device] | None = None, *,
+            target: str | Target | None = None) -> dict[str, Any]:
+    """Compile ``config``'s train step without running it; see ``to_json``. With a
+    ``target`` whose compiler finds the step too big: ``{"target": {..., "fits": false,
+    "required_bytes", "error"}}`` and nothing else."""
+    try:
+        return to_json(analyze(config, devices, target=target))
+    except OutOfMemoryError as err:
+        target = parse_target(target) if isinstance(target, str) else target
+        if target is None:
+            raise
+        return {"target": target_dict(target, fits=False, required_bytes=err.required_bytes,
+                                      error=str(err))}
 
 
 # ----------------------------------------------------------------------------- text
@@ -260,11 +338,26 @@ def flops_lines(ins: Inspection) -> list[str]:
     return lines
 
 
+def accelerator_lines(ins: Inspection) -> list[str]:
+    """The attention kernel that compiled, the collectives made asynchronous, and with a
+    target the verdict: the compiled peak against one device's memory."""
+    k = ins.kernels
+    lines = [f"attention kernel: {ins.attention}; collectives asynchronous (overlappable with "
+             f"compute): {k.async_collectives} of {k.collectives}"]
+    if ins.target is not None and ins.memory.peak_bytes is not None:
+        verdict = "fits" if ins.fits else "does NOT fit"
+        lines.append(f"{ins.target.name}: peak {format_bytes(ins.memory.peak_bytes)} of "
+                     f"{format_bytes(ins.target.hbm_bytes)} per device: {verdict}")
+    return lines
+
+
 def render(ins: Inspection, console: Console | None = None) -> None:
     """Print the whole report: sharding table, collectives, theory, memory, FLOPs."""
     console = console or (Console() if sys.stdout.isatty() else Console(width=160))
     setup, model = ins.setup, ins.setup.config.model
     tc = setup.config.train
+    if ins.target is not None:
+        console.print(ins.target.describe())
     console.print(describe(setup.mesh))
     console.print(rules_line(setup))
     console.print(f"model {model.name}: {count_params(model):,} parameters, {model.num_layers} "
@@ -275,6 +368,8 @@ def render(ins: Inspection, console: Console | None = None) -> None:
     console.print(theory_table(ins))
     console.print(memory_table(ins))
     for line in flops_lines(ins):
+        console.print(line)
+    for line in accelerator_lines(ins):
         console.print(line)
     emulated = sum(c.emulated_reduce_scatter for c in ins.collectives)
     console.print(f"communication per device per step: measured {format_bytes(ins.comm_bytes)}, "

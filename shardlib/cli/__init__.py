@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "collectives, memory and FLOPs against theory")
     add_model_flags(inspect)
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
-    from shardlib.cli.plan import add_plan_parser
+    from shardlib.cli.plan import add_plan_parser, add_target_flag
+    add_target_flag(inspect)
     add_plan_parser(sub, add_model_flags)
     export = sub.add_parser("export", help="write a checkpoint's parameters to one "
                             "safetensors file")
@@ -305,15 +306,19 @@ def run_inspect(args: argparse.Namespace) -> int:
     """``shardlib inspect``: compile one step and report it against theory."""
     import json
 
-    from shardlib.inspect import analyze, render, to_json
+    from shardlib.cli.plan import setup_target
+    from shardlib.inspect import analyze, inspect, render
 
     config = config_from_args(args)
-    inspection = analyze(config, setup_devices(args.devices))
+    target = setup_target(args.target)
+    devices = None if target else setup_devices(args.devices)
     if args.json:
-        print(json.dumps(to_json(inspection)), flush=True)
-    else:
-        render(inspection)
-    return 0
+        report = inspect(config, devices, target=target)
+        print(json.dumps(report), flush=True)
+        return 0 if report["target"] is None or report["target"]["fits"] else 1
+    inspection = analyze(config, devices, target=target)
+    render(inspection)
+    return 0 if inspection.fits in (None, True) else 1
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -56,6 +56,30 @@ def add_plan_parser(sub: argparse._SubParsersAction, add_model_flags) -> None:
                    "--grad-accum fix those; everything else is searched.")
 
 
+def add_target_flag(parser: argparse.ArgumentParser) -> None:
+    """``--target``: compile for a TPU slice or GPU node instead of this host's devices."""
+    parser.add_argument("--target", metavar="NAME", help="compile for this TPU slice or GPU "
+                        "node from any host, nothing allocated: v5p-128, v5litepod-16, "
+                        "v6e-64, v4-32, v5e:2x4, h100x8, h100x8x16 (16 nodes), a100x8, t4 "
+                        "(TPU: pip install -e \".[tpu]\"; GPU: \".[gpu]\")")
+
+
+def setup_target(name: str | None):
+    """The ``Target`` named by ``--target`` (None without), set up before JAX starts:
+    libtpu's host look-ups silenced, XLA's GPU flags applied for a GPU target."""
+    if not name:
+        return None
+    from shardlib.accelerator import apply_gpu_flags
+    from shardlib.target import parse_target, quiet_libtpu
+
+    target = parse_target(name)
+    quiet_libtpu()
+    if target.platform == "gpu":
+        apply_gpu_flags(force=True)
+    target.devices()  # fail here, with the install hint, before any work
+    return target
+
+
 def _plan_devices(count: int):
     """Simulate ``count`` CPU devices without an accelerator; the devices to compile on,
     or None when this host cannot hold ``count`` of them (then analytic only)."""

@@ -1,0 +1,66 @@
+"""What a compiled step runs on its target, read from the compiled HLO: which attention
+kernel compiled (Mosaic custom calls for TPU splash attention, cuDNN's fused attention on
+GPU), and how many collectives are asynchronous, i.e. can overlap with compute.
+
+Asynchronous on GPU and TPU: a ``*-start`` / ``*-done`` pair, or (TPU) a collective the
+compiler placed in an ``async-collective-start`` fusion or tagged with an
+``async_collective_name``; XLA CPU runs every collective synchronously.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from shardlib.analysis.hlo import KINDS, chain_leaders
+from shardlib.analysis.hlo_text import parse_module
+
+MOSAIC = "tpu_custom_call"  # Pallas kernels lowered through Mosaic (splash attention)
+CUDNN_ATTENTION = "__cudnn$fmha"  # cuDNN fused attention, forward and backward
+TRITON = "__gpu$xla.gpu.triton"  # Pallas kernels lowered through Triton
+
+
+@dataclass(frozen=True)
+class KernelFacts:
+    """Counted in one compiled step (per call, not per loop trip)."""
+
+    collectives: int  # collective instructions, one per logical collective
+    async_collectives: int  # of which the compiler made asynchronous
+    mosaic_calls: int
+    cudnn_attention_calls: int
+    triton_calls: int
+
+    @property
+    def async_fraction(self) -> float | None:
+        return None if not self.collectives else self.async_collectives / self.collectives
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "async_fraction": self.async_fraction}
+
+
+def kernel_facts(hlo_text: str) -> KernelFacts:
+    """Count collectives (sync and async) and kernel custom calls in compiled HLO."""
+    module = parse_module(hlo_text)
+    leaders = chain_leaders(module)
+    total = asynchronous = 0
+    for instrs in module.comps.values():
+        for instr in instrs:
+            kind = instr.opcode.removesuffix("-start")
+            if kind not in KINDS or not leaders.get(instr.name, True):
+                continue
+            total += 1
+            asynchronous += instr.opcode.endswith("-start") or bool(re.search(
+                r'async_collective_name=|chain_id=', instr.attrs))
+    return KernelFacts(total, asynchronous, hlo_text.count(f'"{MOSAIC}"'),
+                       hlo_text.count(f'"{CUDNN_ATTENTION}'), hlo_text.count(f'"{TRITON}"'))
+
+
+def compiled_attention(chosen: str, facts: KernelFacts) -> str:
+    """What the HLO shows of the attention kernel the step chose: ``splash (Mosaic)``,
+    ``cudnn`` or the chosen name where no custom call is expected (xla, chunked)."""
+    if chosen == "splash":
+        return "splash (Mosaic)" if facts.mosaic_calls else "splash (no Mosaic call found)"
+    if chosen == "cudnn":
+        return "cudnn" if facts.cudnn_attention_calls else "cudnn (no cuDNN call found)"
+    return chosen

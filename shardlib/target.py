@@ -1,0 +1,203 @@
+"""Compile-only targets: a TPU slice or GPU node named as users write it (``v5p-128``,
+``v5litepod-16``, ``v5e:2x4``, ``h100x8``, ``h100x8x16``), turned into JAX devices that the
+real TPU or GPU compiler builds for from any host, CPU included. Nothing is allocated:
+``jax.jit(f).lower(...).compile()`` over a mesh of these devices runs the target's compiler
+(per-chip memory, its collectives, Mosaic / Triton kernels) and nothing can run there.
+
+Cloud TPU accelerator types count TensorCores for v4 and v5p (two per chip: ``v5p-128`` is
+64 chips) and chips for v5e and v6e (``v5litepod-16`` is 16 chips). libtpu's compile-only
+v4 topology has one JAX device per TensorCore (no megacore), so a v4 device holds half a
+chip's HBM; v5p's megacore makes one device per chip.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass
+from functools import cache
+
+import jax
+
+from shardlib.errors import ConfigError
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Chip:
+    """One accelerator model: what the compiler targets and what the planner prices."""
+
+    name: str  # v5p, h100, ...
+    platform: str  # tpu | gpu
+    hbm_bytes: int  # per JAX device (a v4 TensorCore holds half its chip's 32 GiB)
+    peak_bf16: float  # dense FLOP/s per JAX device
+    profile: str  # the planner's DeviceProfile preset
+    cores_per_chip: int = 1  # TensorCores the accelerator type counts per chip (v4, v5p: 2)
+    devices_per_chip: int = 1  # JAX devices per chip in the compile-only topology
+    torus_dims: int = 2  # 3 for v4 / v5p
+
+
+TPU_CHIPS: dict[str, Chip] = {
+    "v4": Chip("v4", "tpu", 16 * GIB, 275e12 / 2, "v4", cores_per_chip=2, devices_per_chip=2,
+               torus_dims=3),
+    "v5p": Chip("v5p", "tpu", 95 * GIB, 459e12, "v5p", cores_per_chip=2, torus_dims=3),
+    "v5e": Chip("v5e", "tpu", 16 * GIB, 197e12, "v5e"),
+    "v6e": Chip("v6e", "tpu", 32 * GIB, 918e12, "v6e"),
+}
+TPU_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6lite": "v6e", "v6litepod": "v6e"}
+
+GPU_CHIPS: dict[str, Chip] = {
+    "h100": Chip("h100", "gpu", 80 * GIB, 989e12, "h100"),
+    "h200": Chip("h200", "gpu", 141 * 10**9, 989e12, "h200"),
+    "a100": Chip("a100", "gpu", 80 * GIB, 312e12, "a100"),
+    "b200": Chip("b200", "gpu", 180 * 10**9, 2250e12, "b200"),
+    "t4": Chip("t4", "gpu", 15 * GIB, 65e12, "t4"),
+}
+EXAMPLES = ("v5p-128", "v5litepod-16", "v6e-64", "v4-32", "v5e:2x4", "v5p:4x4x8", "h100x8",
+            "h100x8x16", "a100x8", "h200x8", "b200x8", "t4")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A named slice or node: its chip, its JAX topology and how many devices it has."""
+
+    name: str  # as the user wrote it
+    chip: Chip
+    topology: str  # libtpu's "v5p:4x4x4", or the GPU "nodes x gpus-per-node" "1x2x8"
+    num_chips: int
+
+    @property
+    def platform(self) -> str:
+        return self.chip.platform
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_chips * self.chip.devices_per_chip
+
+    @property
+    def hbm_bytes(self) -> int:
+        """Memory per JAX device: what a compiled step's peak must fit in."""
+        return self.chip.hbm_bytes
+
+    def devices(self) -> list[jax.Device]:
+        """The target's devices, compile-only (cached per topology)."""
+        return list(_devices(self.platform, self.chip.name, self.topology))
+
+    def describe(self) -> str:
+        per = f", {self.chip.devices_per_chip} devices per chip" \
+            if self.chip.devices_per_chip > 1 else ""
+        return (f"target {self.name}: {self.num_chips} {self.chip.name} chips "
+                f"({self.topology}{per}), {self.hbm_bytes / GIB:.0f} GiB per device")
+
+
+def parse_target(name: str) -> Target:
+    """``v5p-128``, ``v5litepod-16``, ``v5e:2x4``, ``h100x8``, ``h100x8x16``, ``t4`` -> a
+    ``Target``; ``ConfigError`` listing the known forms otherwise."""
+    text = name.strip().lower()
+    if match := re.fullmatch(r"(v\d+[a-z]*)-(\d+)", text):
+        return _tpu_from_type(name, match.group(1), int(match.group(2)))
+    if match := re.fullmatch(r"(v\d+[a-z]*):(\d+(?:x\d+){1,2})", text):
+        return _tpu_from_topology(name, match.group(1), match.group(2))
+    if match := re.fullmatch(r"([a-z]\d+)(?:x(\d+))?(?:x(\d+))?", text):
+        return _gpu(name, match.group(1), int(match.group(2) or 1), int(match.group(3) or 1))
+    raise _unknown(name, "not a TPU accelerator type (v5p-128), a TPU topology (v5e:2x4) "
+                   "or a GPU node (h100x8, h100x8x16 for 16 nodes)")
+
+
+def _unknown(name: str, why: str) -> ConfigError:
+    return ConfigError(f"--target {name!r}: {why}; known targets look like "
+                       f"{', '.join(EXAMPLES)} (TPU chips: {', '.join(TPU_CHIPS)}; GPUs: "
+                       f"{', '.join(GPU_CHIPS)})")
+
+
+def _tpu_chip(name: str, generation: str) -> Chip:
+    generation = TPU_ALIASES.get(generation, generation)
+    if generation not in TPU_CHIPS:
+        raise _unknown(name, f"unknown TPU generation {generation!r}")
+    return TPU_CHIPS[generation]
+
+
+def _tpu_from_type(name: str, generation: str, count: int) -> Target:
+    """An accelerator type: ``count`` TensorCores (v4, v5p) or chips (v5e, v6e)."""
+    chip = _tpu_chip(name, generation)
+    chips, rest = divmod(count, chip.cores_per_chip)
+    if rest or chips < 1 or chips & (chips - 1):
+        unit = "TensorCores (2 per chip)" if chip.cores_per_chip == 2 else "chips"
+        raise _unknown(name, f"{count} {unit} is not a slice shardlib can lay out; use a "
+                       f"power of two, e.g. {chip.name}-{8 * chip.cores_per_chip}")
+    return Target(name, chip, f"{chip.name}:{torus_shape(chips, chip.torus_dims)}", chips)
+
+
+def _tpu_from_topology(name: str, generation: str, shape: str) -> Target:
+    chip = _tpu_chip(name, generation)
+    dims = [int(d) for d in shape.split("x")]
+    if len(dims) != chip.torus_dims or min(dims) < 1:
+        raise _unknown(name, f"{chip.name} topologies have {chip.torus_dims} dims "
+                       f"(e.g. {chip.name}:{torus_shape(8, chip.torus_dims)})")
+    return Target(name, chip, f"{chip.name}:{shape}", math.prod(dims))
+
+
+def torus_shape(chips: int, dims: int) -> str:
+    """The slice shape Cloud TPU gives ``chips`` chips: 2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4,
+    ... in 3D (v4, v5p); 1x1, 2x2, 2x4, 4x4, 4x8, 8x8, ... in 2D (v5e, v6e)."""
+    shape = [1] * dims
+    if dims == 3 and chips >= 4:
+        shape = [2, 2, 1]
+    while math.prod(shape) < chips:
+        smallest = min(shape)
+        last = max(i for i, size in enumerate(shape) if size == smallest)
+        shape[last] *= 2
+    if math.prod(shape) != chips:
+        raise ConfigError(f"--target: {chips} chips do not make a {dims}D slice; use 4, 8, 16,"
+                          " ... chips")
+    return "x".join(map(str, shape))
+
+
+def _gpu(name: str, model: str, per_node: int, nodes: int) -> Target:
+    if model not in GPU_CHIPS:
+        raise _unknown(name, f"unknown GPU {model!r}")
+    return Target(name, GPU_CHIPS[model], f"1x{nodes}x{per_node}", per_node * nodes)
+
+
+# --- devices --------------------------------------------------------------------------
+
+# What libtpu would otherwise look up (and warn about) on a host without TPUs; and leave to
+# other processes the lock libtpu takes on /tmp/libtpu_lockfile, so that several processes
+# (pytest workers, a notebook beside a CLI run) can each compile for a target.
+LIBTPU_QUIET = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-8",
+                "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+TPU_DEVICE_NODES = ("/dev/accel0", "/dev/vfio/0")
+
+
+def quiet_libtpu(env: dict[str, str] | None = None) -> None:
+    """On a host without TPUs, give libtpu the settings it would otherwise look up (and
+    print warnings about) when JAX starts; a real TPU VM is left alone. Before JAX starts."""
+    env = os.environ if env is None else env
+    if any(os.path.exists(node) for node in TPU_DEVICE_NODES):
+        return
+    for key, value in LIBTPU_QUIET.items():
+        env.setdefault(key, value)
+
+
+@cache
+def _devices(platform: str, chip: str, topology: str) -> tuple[jax.Device, ...]:
+    if platform == "tpu":
+        return _tpu_devices(topology)
+    from shardlib.target_gpu import gpu_devices
+
+    return tuple(gpu_devices(chip, topology))
+
+
+def _tpu_devices(topology: str) -> tuple[jax.Device, ...]:
+    from jax.experimental import topologies
+
+    try:
+        import libtpu  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(f"--target {topology}: compiling for TPU needs libtpu; install "
+                          "the extra: pip install -e \".[tpu]\" (jax[tpu] at the installed "
+                          "jax's version)") from err
+    quiet_libtpu()
+    return tuple(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
