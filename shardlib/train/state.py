@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardlib import sharding
+from shardlib.checkpoint import Target, restore_target
 from shardlib.config import CommConfig, Config, OptimConfig
 from shardlib.errors import ConfigError
 from shardlib.mesh import MESH_AXES, make_mesh, resolve_degrees
@@ -218,3 +219,9 @@ def abstract_state(setup: TrainSetup) -> TrainState:
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
         setup.state_shardings,
     )
+
+
+@restore_target.register(TrainSetup)
+def _restore_into_setup(setup: TrainSetup) -> Target:
+    """``Checkpointer.restore(setup)``: read into ``abstract_state(setup)``, on its mesh."""
+    return Target(abstract_state(setup), setup.config)
