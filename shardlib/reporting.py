@@ -22,6 +22,7 @@ from shardlib.models.attention import describe as describe_attention
 from shardlib.precision import describe as describe_precision
 from shardlib.run.goodput import format_breakdown
 from shardlib.train.setup import TrainSetup
+from shardlib.train.state import param_table
 from shardlib.units import format_bytes
 
 
@@ -68,14 +69,14 @@ class ConsoleReporter:
             return
         model = setup.config.model
         self.console.print(describe(setup.mesh))
-        self.console.print(rules_line(setup))
+        self.console.print(rules_line(setup.rules, setup.sizes))
         self.console.print(describe_precision(setup.config.precision, setup.policy))
         self.console.print(describe_attention(
             setup.config.attention.impl, seq_len=setup.config.train.seq_len,
             dtype=setup.policy.compute, head_dim=model.head_dim))
         self.console.print(f"model {model.name}: {info['params']:,} parameters, "
                            f"{model.num_layers} layers, d_model {model.d_model}")
-        self.console.print(sharding_table(setup))
+        self.console.print(sharding_table(param_table(setup)))
         if self.console.is_terminal:
             self.progress = Progress(
                 TextColumn("train"), BarColumn(), MofNCompleteColumn(),
