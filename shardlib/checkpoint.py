@@ -3,7 +3,7 @@ and crash safety (export to safetensors: ``shardlib.export``).
 
 A checkpoint directory holds one folder per finished step::
 
-    DIR/<step>/state/                the whole TrainState pytree (every field, generically)
+    DIR/<step>/state/                the whole state pytree (every field, generically)
     DIR/<step>/config/               the Config that produced it, as JSON
     DIR/<step>/data/                 the input pipeline's position (``shardlib.data``), JSON
     DIR/<step>/shardlib_files.json   the size of every file above
@@ -12,6 +12,9 @@ orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and renames it only onc
 file is written, so a save killed half-way never looks finished. The file list is written
 just before that rename; a restore checks it first, so a deleted or truncated file is
 reported by name and ``restore_latest`` falls back to the newest good step.
+
+Nothing here knows the trainer: a save takes any pytree of arrays, a restore any pytree of
+abstract arrays with shardings (``train.state`` registers ``TrainSetup`` in ``restore_target``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import tempfile
 import threading
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import singledispatch
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +37,7 @@ import orbax.checkpoint as ocp
 
 from shardlib.config import CheckpointConfig, Config, to_dict
 from shardlib.errors import CheckpointError, DamagedCheckpointError, ShardlibError
-from shardlib.train.nonfinite import finite_flag
-from shardlib.train.state import TrainSetup, TrainState, abstract_state
+from shardlib.precision import finite_flag
 
 FILE_LIST = "shardlib_files.json"
 ITEMS = ("state", "config", "data")
@@ -99,6 +103,21 @@ def host_copy(state: Any) -> Any:
     return treedef.unflatten(leaves)
 
 
+@dataclass(frozen=True)
+class Target:
+    """What a restore reads into: ``tree``, abstract arrays (``jax.ShapeDtypeStruct``) with
+    the shardings to read each one into; ``config``, named when the shapes do not fit."""
+
+    tree: Any
+    config: Config | None = None
+
+
+@singledispatch
+def restore_target(target: Any) -> Target:
+    """``target`` as a ``Target``: any pytree is its own layout (other types register here)."""
+    return target if isinstance(target, Target) else Target(target)
+
+
 def leaf_path(keys: tuple) -> str:
     """Pytree key path -> 'params.blocks.mlp.w_in_df' (an nnx Variable's '.value' dropped)."""
     path = jax.tree_util.keystr(keys, simple=True, separator=".")
@@ -106,8 +125,8 @@ def leaf_path(keys: tuple) -> str:
 
 
 class Checkpointer:
-    """orbax ``CheckpointManager`` for TrainStates: async saves every ``every`` steps, the
-    newest ``keep`` kept, verified restores onto any mesh with fallback past damage."""
+    """orbax ``CheckpointManager`` for train states (any pytree): async saves every ``every``
+    steps, the newest ``keep`` kept, verified restores onto any mesh with fallback past damage."""
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, every: int = 0,
                  read_only: bool = False):
@@ -147,9 +166,10 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def save(self, step: int, state: TrainState, config: Config, *, wait: bool = False,
+    def save(self, step: int, state: Any, config: Config | None = None, *, wait: bool = False,
              copy: bool = True) -> None:
-        """Save ``state`` as ``step`` (no-op if it exists) and return at once, unless
+        """Save ``state`` (any pytree of arrays; with the ``config`` that produced it, if
+        given) as ``step`` (no-op if it exists) and return at once, unless
         ``wait``: the arrays are copied asynchronously (``host_copy``) where the next,
         donating, step cannot touch them; a waiting thread hands the copy to orbax, which
         writes the files in the background. One save is in flight at a time.
@@ -161,8 +181,9 @@ class Checkpointer:
         self._manager.wait_until_finished()  # the file-list callback knows its step
         self._saving = step
         finite = finite_flag(state)  # on device, before the next step may donate it
-        items = {"state": ocp.args.PyTreeSave(host_copy(state) if copy else state),
-                 "config": ocp.args.JsonSave(to_dict(config))}
+        items = {"state": ocp.args.PyTreeSave(host_copy(state) if copy else state)}
+        if config is not None:
+            items["config"] = ocp.args.JsonSave(to_dict(config))
         if self.data_state is not None:
             items["data"] = ocp.args.JsonSave(self.data_state(step))
         args = ocp.args.Composite(**items)
@@ -296,26 +317,27 @@ class Checkpointer:
         leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
         return {leaf_path(keys): (keys, meta) for keys, meta in leaves}
 
-    def restore(self, setup: TrainSetup, step: int | None = None) -> TrainState:
-        """``step`` (default: the newest) onto ``setup``'s mesh: each array is read
-        straight into its sharding from ``abstract_state(setup)``, never gathered."""
+    def restore(self, target: Any, step: int | None = None) -> Any:
+        """``step`` (default: the newest) into ``target``: abstract arrays with shardings, a
+        ``Target``, or a ``TrainSetup`` (its ``abstract_state``, on its mesh); each array is
+        read straight into its sharding, never gathered."""
         step = self.resolve_step(step)
         self.verify(step)
-        target = abstract_state(setup)
-        self._check_fits(step, target, setup.config)
-        read = ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+        layout = restore_target(target)
+        self._check_fits(step, layout.tree, layout.config)
+        read = ocp.args.PyTreeRestore(item=layout.tree, restore_args=(
+            ocp.checkpoint_utils.construct_restore_args(layout.tree)))
         restored = self.guarded_read(step, "the state", lambda: self._manager.restore(
             step, args=ocp.args.Composite(state=read)))
         return restored["state"]
 
-    def restore_latest(self, setup: TrainSetup) -> TrainState | None:
-        """The newest checkpoint that restores and holds only finite values, warning past
-        damaged or non-finite ones; None if empty."""
-        damaged = []
+    def restore_latest(self, target: Any) -> Any | None:
+        """The newest checkpoint that restores into ``target`` (as ``restore``) and holds only
+        finite values, warning past damaged or non-finite ones; None if empty."""
+        damaged, layout = [], restore_target(target)
         for step in reversed(self.steps()):
             try:
-                state = self.restore(setup, step)
+                state = self.restore(layout, step)
             except DamagedCheckpointError as err:
                 _warn(f"{err}; falling back to an older checkpoint")
                 damaged.append(step)
@@ -354,7 +376,7 @@ class Checkpointer:
             raise DamagedCheckpointError(f"checkpoint step {step} in {self.directory} is "
                                          f"damaged: reading {what} failed: {detail}") from err
 
-    def _check_fits(self, step: int, target: TrainState, config: Config) -> None:
+    def _check_fits(self, step: int, target: Any, config: Config | None) -> None:
         """Raise CheckpointError naming the first array whose saved shape differs."""
         saved = {path: meta.shape for path, (_, meta) in self.saved_arrays(step).items()}
         wanted = {leaf_path(k): x.shape for k, x in jax.tree_util.tree_flatten_with_path(target)[0]}
@@ -371,7 +393,9 @@ class Checkpointer:
                 f"not in this model: {', '.join(extra[:4]) or 'none'}"
                 f"{self._config_hint(step, config)}")
 
-    def _config_hint(self, step: int, config: Config) -> str:
+    def _config_hint(self, step: int, config: Config | None) -> str:
+        if config is None:
+            return ""
         try:
             saved = self.saved_config(step).get("model", {})
         except CheckpointError:

@@ -359,11 +359,11 @@ def render(ins: Inspection, console: Console | None = None) -> None:
     if ins.target is not None:
         console.print(ins.target.describe())
     console.print(describe(setup.mesh))
-    console.print(rules_line(setup))
+    console.print(rules_line(setup.rules, setup.sizes))
     console.print(f"model {model.name}: {count_params(model):,} parameters, {model.num_layers} "
                   f"layers, d_model {model.d_model}; batch {tc.batch_size} x {tc.seq_len} tokens; "
                   f"compiled in {ins.compile_s:.1f} s")
-    console.print(sharding_table(setup))
+    console.print(sharding_table(param_table(setup)))
     console.print(collectives_table(ins))
     console.print(theory_table(ins))
     console.print(memory_table(ins))

@@ -20,8 +20,7 @@ from shardlib.analysis.memory import compiled_memory
 from shardlib.analysis.mfu import Peak, peak_flops
 from shardlib.config import TrainConfig
 from shardlib.errors import ConfigError
-from shardlib.reporting import Reporters
-from shardlib.run.goodput import fractions
+from shardlib.reporting import Reporters, fractions
 
 # metrics-row key -> TensorBoard tag
 SCALAR_TAGS = {

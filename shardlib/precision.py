@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +120,22 @@ def all_finite(tree) -> jax.Array:
     """True iff every element of every leaf is finite."""
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
     return jnp.all(jnp.stack(leaves))
+
+
+def tree_finite(tree: Any) -> jax.Array:
+    """True iff every float element of ``tree`` is finite (integer leaves always are)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+              if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+_finite_jit = jax.jit(tree_finite)
+
+
+def finite_flag(tree: Any) -> jax.Array:
+    """``tree_finite`` dispatched asynchronously: a device bool to read later (a replicated
+    scalar, so every process reads the same value)."""
+    return _finite_jit(tree)
 
 
 def update_scale(state: LossScale, finite: jax.Array, cfg: PrecisionConfig) -> LossScale:

@@ -20,8 +20,8 @@ from shardlib.errors import ConfigError
 from shardlib.mesh import describe, platform_of
 from shardlib.models.attention import describe as describe_attention
 from shardlib.precision import describe as describe_precision
-from shardlib.run.goodput import format_breakdown
 from shardlib.train.setup import TrainSetup
+from shardlib.train.state import param_table
 from shardlib.units import format_bytes
 
 
@@ -37,6 +37,20 @@ class NullReporter:
     def on_start(self, setup: TrainSetup, info: dict[str, Any]) -> None: ...
     def on_steps(self, rows: list[dict[str, Any]]) -> None: ...
     def on_end(self, summary: dict[str, Any], sample: str) -> None: ...
+
+
+def fractions(breakdown: dict[str, float]) -> dict[str, float]:
+    """Bucket -> share of the wall time (they sum to 1)."""
+    wall = sum(breakdown.values())
+    return {k: (v / wall if wall > 0 else 0.0) for k, v in breakdown.items()}
+
+
+def format_breakdown(breakdown: dict[str, float]) -> str:
+    """One line per non-empty bucket of a run's time (``run.goodput``), the productive one
+    always: ``compile      2.01 s  20.1%``."""
+    shares = fractions(breakdown)
+    return "\n".join(f"{k:<15}{v:8.2f} s {shares[k]:6.1%}" for k, v in breakdown.items()
+                     if v > 0 or k == "productive")
 
 
 def summary_value(key: str, value: Any) -> str:
@@ -68,7 +82,7 @@ class ConsoleReporter:
             return
         model = setup.config.model
         self.console.print(describe(setup.mesh))
-        self.console.print(rules_line(setup))
+        self.console.print(rules_line(setup.rules, setup.sizes))
         platform = platform_of(setup.mesh)
         self.console.print(describe_precision(setup.config.precision, setup.policy, platform))
         self.console.print(describe_attention(
@@ -76,7 +90,7 @@ class ConsoleReporter:
             dtype=setup.policy.compute, head_dim=model.head_dim, backend=platform))
         self.console.print(f"model {model.name}: {info['params']:,} parameters, "
                            f"{model.num_layers} layers, d_model {model.d_model}")
-        self.console.print(sharding_table(setup))
+        self.console.print(sharding_table(param_table(setup)))
         if self.console.is_terminal:
             self.progress = Progress(
                 TextColumn("train"), BarColumn(), MofNCompleteColumn(),

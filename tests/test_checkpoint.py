@@ -13,9 +13,12 @@ import threading
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file
 
 from shardlib import data as data_lib
@@ -23,6 +26,7 @@ from shardlib.checkpoint import Checkpointer, CheckpointWarning
 from shardlib.config import CheckpointConfig, Config, MeshConfig, to_dict
 from shardlib.errors import CheckpointError, DamagedCheckpointError
 from shardlib.export import export_safetensors
+from shardlib.mesh import make_mesh
 from shardlib.reporting import NullReporter
 from shardlib.run.loop import train
 from shardlib.train.state import build_setup
@@ -206,6 +210,27 @@ def test_other_model_config_names_parameter_and_shapes(reference):
     assert "params.blocks.mlp.w_in_df" in message
     assert "(2, 64, 256)" in message and "(2, 64, 128)" in message
     assert "model.d_ff=256" in message
+
+
+def test_any_pytree_saves_and_restores_onto_another_layout(tmp_path):
+    """Issue 31, part 7: checkpoints know nothing of the trainer (as Levanter's): a plain dict
+    of sharded arrays saves without a config and restores into abstract arrays laid out on
+    another mesh, each read straight into its new sharding."""
+    saved_on, read_on = make_mesh({"data": 8}), make_mesh({"fsdp": 2, "tensor": 4})
+    host = {"w_df": np.arange(16 * 8, dtype=np.float32).reshape(16, 8),
+            "step": np.asarray(7, np.int32)}
+    tree = {"w_df": jax.device_put(host["w_df"], NamedSharding(saved_on, P("data", None))),
+            "step": jax.device_put(host["step"], NamedSharding(saved_on, P()))}
+    Checkpointer(tmp_path / "tree", keep=1).save(7, tree, wait=True)
+    target = {"w_df": jax.ShapeDtypeStruct((16, 8), jnp.float32,
+                                           sharding=NamedSharding(read_on, P("fsdp", "tensor"))),
+              "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(read_on, P()))}
+    checkpointer = Checkpointer(tmp_path / "tree", read_only=True)
+    for restored in (checkpointer.restore(target), checkpointer.restore_latest(target)):
+        assert set(restored) == set(host)
+        for key, value in host.items():
+            assert restored[key].sharding == target[key].sharding, key
+            assert_bitwise([np.asarray(restored[key])], [value])
 
 
 def unwritable_directory(tmp_path: Path) -> Path:

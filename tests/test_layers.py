@@ -8,23 +8,36 @@ The layers, lowest first (a module may import its own layer and those below it):
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardlib.analysis.memory import state_bytes
+from shardlib.analysis.tables import param_rows, rules_line, sharding_table
+from shardlib.mesh import make_mesh
 
 ROOT = Path(__file__).resolve().parent.parent / "shardlib"
+LAYOUT_PAGE = ROOT.parent / "docs" / "reference" / "layout.md"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("floor", ("errors", "config", "mesh", "hooks", "sharding", "precision", "units")),
     ("primitives", ("collectives", "reshard", "distributed", "launch", "accelerator")),
     ("models", ("models",)),
     ("parallel", ("parallel",)),
+    ("io", ("data", "checkpoint", "export")),  # any pytree in and out: nothing from train/
+    ("analysis", ("analysis",)),  # pure readers of pytrees, compiled steps and configs
     ("train", ("train",)),
-    ("io", ("data", "checkpoint", "interop", "export")),
-    ("analysis", ("analysis",)),
+    ("interop", ("interop",)),
     ("inspect", ("inspect", "planner")),
-    ("run", ("run", "reporting", "observe")),
+    ("report", ("reporting", "observe")),
+    ("run", ("run",)),
     ("cli", ("cli", "__main__", "__init__")),
 ]
 LAZY_OK = ("cli",)  # function-local imports allowed here (``shardlib --help`` stays fast)
@@ -153,3 +166,39 @@ def test_every_public_function_and_class_has_a_docstring():
                     and not ast.get_docstring(node):
                 missing.append(f"{module_name(path)}.{node.name}")
     assert missing == []
+
+
+def test_layout_page_lists_these_layers_in_this_order():
+    """docs/reference/layout.md's table: the layers of LAYERS, lowest first, each row naming
+    every top-level module of its layer."""
+    rows = [line.split("|")[1:3] for line in LAYOUT_PAGE.read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| layer")]
+    assert [name.strip() for name, _ in rows] == [name for name, _ in LAYERS]
+    for (name, heads), (_, listed) in zip(LAYERS, rows, strict=True):
+        named = set(re.findall(r"`([\w/]+?)/?`", listed))
+        assert set(heads) <= named, f"layer {name}: the page omits {set(heads) - named}"
+
+
+def test_analysis_reads_any_pytree_of_sharded_arrays():
+    """Issue 31, part 7: analysis sits below train/ and counts a plain dict of sharded
+    arrays (or their abstract values) as it counts a train state."""
+    mesh = make_mesh({"data": 2, "tensor": 4})
+    specs = {"w_df": P(None, "tensor"), "b_f": P("tensor"), "e_vd": P("data", None)}
+    params = {name: jax.device_put(np.ones(shape, np.float32), NamedSharding(mesh, specs[name]))
+              for name, shape in (("w_df", (16, 64)), ("b_f", (64,)), ("e_vd", (32, 16)))}
+    state = {"params": params, "opt_state": {"mu": params, "nu": params},
+             "step": jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, P()))}
+    held = {name: x.addressable_shards[0].data.nbytes for name, x in params.items()}
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    for tree in (state, abstract):
+        counted = state_bytes(tree)
+        assert (counted.params, counted.opt_state) == (sum(held.values()),
+                                                       2 * sum(held.values()))
+        assert counted.other == state["step"].addressable_shards[0].data.nbytes
+    rows = param_rows(abstract["params"], jax.tree.map(lambda x: x.sharding, params))
+    assert {r.path: (r.spec, r.bytes_per_device, r.logical) for r in rows} == {
+        name: (specs[name], held[name], ()) for name in params}
+    assert sharding_table(rows).row_count == len(params) + 1  # and the total
+    assert rules_line({"mlp": ("tensor",), "vocab": ("fsdp",)}, dict(mesh.shape)) == \
+        "rules mlp->tensor"

@@ -4,7 +4,8 @@ temporaries) and what the persistent train state takes, read from its shardings.
 ``compiled.memory_analysis()`` reports one device's buffers: the arguments are the train
 state plus the batch, the outputs the new state plus the metrics (aliased to the donated
 arguments, so they cost nothing extra), the temporaries everything live inside the step
-(activations kept for backward, gathered weights, gradients).
+(activations kept for backward, gathered weights, gradients). The state is any pytree of
+arrays or abstract values: its ``params`` and ``opt_state`` fields (or keys) are counted apart.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import jax
 
-from shardlib.train.state import TrainState
+STATE_PARTS = ("params", "opt_state")  # top-level fields counted apart; the rest is "other"
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,7 @@ class StateBytes:
 
     params: int
     opt_state: int
-    other: int  # step counter and rng key
+    other: int  # everything else: step counter, rng key, loss scale, comm state
 
     @property
     def total(self) -> int:
@@ -74,11 +75,14 @@ def tree_shard_bytes(tree: Any) -> int:
     return sum(shard_bytes(leaf) for leaf in jax.tree.leaves(tree))
 
 
-def state_bytes(state: TrainState) -> StateBytes:
-    """Per-device bytes of an abstract (or real) sharded train state."""
-    return StateBytes(params=tree_shard_bytes(state.params),
-                      opt_state=tree_shard_bytes(state.opt_state),
-                      other=tree_shard_bytes((state.step, state.rng)))
+def state_bytes(state: Any) -> StateBytes:
+    """Per-device bytes of a sharded state pytree, abstract or real, split by the first key
+    of each leaf's path: ``params``, ``opt_state``, or other."""
+    held = dict.fromkeys((*STATE_PARTS, "other"), 0)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        part = jax.tree_util.keystr(path[:1], simple=True)
+        held[part if part in STATE_PARTS else "other"] += shard_bytes(leaf)
+    return StateBytes(**held)
 
 
 def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int | None]:
@@ -91,7 +95,7 @@ def compiled_memory(compiled: jax.stages.Compiled) -> dict[str, int | None]:
             for key, attr in fields.items()}
 
 
-def memory_report(compiled: jax.stages.Compiled, state: TrainState, batch: Any,
+def memory_report(compiled: jax.stages.Compiled, state: Any, batch: Any,
                   theory_state_bytes: int) -> MemoryReport:
     """Measured memory of ``compiled`` next to the state's shardings and the formula."""
     held = state_bytes(state)

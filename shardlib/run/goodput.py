@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from shardlib.reporting import format_breakdown, fractions  # noqa: F401  (public here too)
+
 BUCKETS = ("productive", "compile", "input_wait", "checkpoint", "eval", "sampling",
            "restart_lost", "nonfinite_lost", "startup", "other")
 PHASE_BUCKET = {"compile": "compile", "data": "input_wait", "checkpoint": "checkpoint",
@@ -111,19 +113,6 @@ class Timeline:
         wall = sum(seconds.values())
         return {"goodput": seconds["productive"] / wall if wall > 0 else 0.0,
                 "wall_time_s": wall, "time_breakdown_s": seconds}
-
-
-def fractions(breakdown: dict[str, float]) -> dict[str, float]:
-    """Bucket -> share of the wall time (they sum to 1)."""
-    wall = sum(breakdown.values())
-    return {k: (v / wall if wall > 0 else 0.0) for k, v in breakdown.items()}
-
-
-def format_breakdown(breakdown: dict[str, float]) -> str:
-    """One line per non-empty bucket: ``compile      2.01 s  20.1%``."""
-    shares = fractions(breakdown)
-    return "\n".join(f"{k:<15}{v:8.2f} s {shares[k]:6.1%}" for k, v in breakdown.items()
-                     if v > 0 or k == "productive")
 
 
 # -- restarts: how far the interrupted run had got ---------------------------------------

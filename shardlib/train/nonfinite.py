@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from shardlib.config import TrainConfig
 from shardlib.errors import ConfigError
-from shardlib.precision import select_tree
+from shardlib.precision import finite_flag, select_tree, tree_finite  # noqa: F401  (public here too)
 from shardlib.train.setup import TrainState
 
 POLICIES = ("halt", "skip")
@@ -39,22 +39,6 @@ def check_config(tc: TrainConfig) -> None:
     if tc.max_skipped < 1:
         raise ConfigError(f"--set train.max_skipped={tc.max_skipped}: must be >= 1 (non-finite "
                           "steps in a row before a skipping run halts)")
-
-
-def tree_finite(tree: Any) -> jax.Array:
-    """True iff every float element of ``tree`` is finite (integer leaves always are)."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-              if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
-
-
-_finite_jit = jax.jit(tree_finite)
-
-
-def finite_flag(tree: Any) -> jax.Array:
-    """``tree_finite`` dispatched asynchronously: a device bool to read later (a replicated
-    scalar, so every process reads the same value)."""
-    return _finite_jit(tree)
 
 
 def step_ok(loss: jax.Array, grad_norm: jax.Array, loss_scaling: bool) -> jax.Array:

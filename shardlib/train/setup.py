@@ -13,9 +13,10 @@ from typing import Any
 import jax
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from shardlib import sharding
+from shardlib.analysis.tables import ParamInfo  # noqa: F401  (its home is analysis.tables)
 from shardlib.config import Config
 from shardlib.precision import LossScale, Policy
 
@@ -31,18 +32,6 @@ class TrainState:
     rng: jax.Array  # uint32[2] raw key, split every step
     loss_scale: LossScale  # fp16 dynamic loss scaling (scale 1 for other policies)
     comm: Any = None  # train.comm.CommState or None: error feedback / DiLoCo (comm.*)
-
-
-@dataclass(frozen=True)
-class ParamInfo:
-    """One row of the parameter sharding table."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    logical: tuple[str, ...]
-    spec: PartitionSpec
-    bytes_per_device: int
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardlib import sharding
+from shardlib.analysis.tables import ParamInfo, param_rows
+from shardlib.checkpoint import Target, restore_target
 from shardlib.config import CommConfig, Config, OptimConfig
 from shardlib.errors import ConfigError
 from shardlib.mesh import MESH_AXES, make_mesh, platform_of, resolve_degrees
@@ -25,7 +27,7 @@ from shardlib.precision import resolve as resolve_policy
 from shardlib.train import comm as comm_lib
 from shardlib.train import diloco
 from shardlib.train.pipeline import check_pipeline
-from shardlib.train.setup import ParamInfo, TrainSetup, TrainState
+from shardlib.train.setup import TrainSetup, TrainState
 
 
 def _is_var(x: Any) -> bool:
@@ -52,16 +54,7 @@ def param_specs(abstract_params: nnx.State, rules: sharding.Rules,
 
 def param_table(setup: TrainSetup) -> list[ParamInfo]:
     """Rows of path, global shape, logical dims, spec, bytes per device."""
-    shardings = dict(nnx.to_flat_state(setup.state_shardings.params))
-    rows = []
-    for path, var in nnx.to_flat_state(setup.abstract_params):
-        spec = shardings[path].get_value().spec
-        rows.append(ParamInfo(
-            path=path_str(path), shape=tuple(var.shape), dtype=str(var.dtype),
-            logical=tuple(var.get_metadata("logical")), spec=spec,
-            bytes_per_device=sharding.bytes_per_device(var.shape, var.dtype, spec, setup.sizes),
-        ))
-    return rows
+    return param_rows(setup.abstract_params, setup.state_shardings.params)
 
 
 def decay_mask(params: nnx.State) -> nnx.State:
@@ -217,3 +210,9 @@ def abstract_state(setup: TrainSetup) -> TrainState:
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
         setup.state_shardings,
     )
+
+
+@restore_target.register(TrainSetup)
+def _restore_into_setup(setup: TrainSetup) -> Target:
+    """``Checkpointer.restore(setup)``: read into ``abstract_state(setup)``, on its mesh."""
+    return Target(abstract_state(setup), setup.config)
