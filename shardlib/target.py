@@ -12,6 +12,7 @@ chip's HBM; v5p's megacore makes one device per chip.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -19,8 +20,10 @@ from dataclasses import dataclass
 from functools import cache
 
 import jax
+from jax.experimental import topologies
 
 from shardlib.errors import ConfigError
+from shardlib.target_gpu import gpu_devices
 
 GIB = 2**30
 
@@ -185,19 +188,13 @@ def quiet_libtpu(env: dict[str, str] | None = None) -> None:
 def _devices(platform: str, chip: str, topology: str) -> tuple[jax.Device, ...]:
     if platform == "tpu":
         return _tpu_devices(topology)
-    from shardlib.target_gpu import gpu_devices
-
     return tuple(gpu_devices(chip, topology))
 
 
 def _tpu_devices(topology: str) -> tuple[jax.Device, ...]:
-    from jax.experimental import topologies
-
-    try:
-        import libtpu  # noqa: F401
-    except ImportError as err:
+    if importlib.util.find_spec("libtpu") is None:
         raise ConfigError(f"--target {topology}: compiling for TPU needs libtpu; install "
                           "the extra: pip install -e \".[tpu]\" (jax[tpu] at the installed "
-                          "jax's version)") from err
+                          "jax's version)")
     quiet_libtpu()
     return tuple(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)

@@ -28,7 +28,8 @@ LAYOUT_PAGE = ROOT.parent / "docs" / "reference" / "layout.md"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("floor", ("errors", "config", "mesh", "hooks", "sharding", "precision", "units")),
-    ("primitives", ("collectives", "reshard", "distributed", "launch", "accelerator")),
+    ("primitives", ("collectives", "reshard", "distributed", "launch", "accelerator",
+                    "target_gpu", "target")),
     ("models", ("models",)),
     ("parallel", ("parallel",)),
     ("io", ("data", "checkpoint", "export")),  # any pytree in and out: nothing from train/
