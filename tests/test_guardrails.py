@@ -1,8 +1,9 @@
 """Runs that guard themselves (docs/when-runs-go-wrong.md): a run driven to NaN halts
 with one line and leaves only finite checkpoints; ``--resume`` continues from the last
-finite one and passes over a hand-corrupted one; ``skip`` keeps the state of a bad step
-(DiLoCo too); goodput's buckets cover the wall time; a stuck step is reported with its
-stacks, and under ``shardlib launch`` a SIGSTOPped process is named by the other.
+finite one and passes over a hand-corrupted one; ``skip`` keeps the state of a
+bad step (DiLoCo too); goodput's buckets cover the wall time; a stuck step, eval, save or
+sample is reported with its stacks, and under ``shardlib launch`` a SIGSTOPped process is
+named by the other.
 
 Small on purpose: the tiny model, 8 x 32 tokens, one diverging run shared by the
 checkpoint tests, and one two-process launch.
@@ -33,7 +34,7 @@ from shardlib.checkpoint import Checkpointer, CheckpointWarning, leaf_path
 from shardlib.cli import NONFINITE_EXIT_STATUS, main
 from shardlib.config import CheckpointConfig, CommConfig, MeshConfig
 from shardlib.observe import read_scalars
-from shardlib.run import watchdog
+from shardlib.run import evaluation, watchdog
 from shardlib.run.goodput import PROGRESS_FILE, Timeline, fractions
 from shardlib.run.loop import train
 from shardlib.train import nonfinite
@@ -263,6 +264,73 @@ def test_stuck_step_is_reported_with_stacks(monkeypatch):
                      r"last finished step 3 and is in phase 'step' on the host", line), line
     assert "Thread MainThread" in reports[0].stacks and "in dispatched" in reports[0].stacks
     assert result.history[-1]["step"] == 4  # released, the run went on
+
+
+def held_until(release: threading.Event, function):
+    """``function`` that first waits for ``release`` (a hang the report ends)."""
+    def held(*args, **kwargs):
+        release.wait(300)  # never hang the suite
+        return function(*args, **kwargs)
+    return held
+
+
+@pytest.mark.parametrize("phase, what, frame", [
+    ("eval", "eval", "in eval_loss"),
+    ("checkpoint", "the checkpoint save", "in _hand_off"),
+    ("sample", "sampling", "in sample_text"),
+])
+def test_hang_outside_a_step_is_reported(phase, what, frame, monkeypatch, tmp_path):
+    """A stuck eval batch read, checkpoint writer or sampler is reported like a stuck step
+    (their compiles are not watched: the eval and sampling compiles run in these runs
+    under the same 2.5 s timeout); the report releases it and the run finishes."""
+    release, reports = threading.Event(), []
+
+    def record(report: watchdog.Report) -> None:
+        reports.append(report)
+        release.set()
+
+    monkeypatch.setattr(watchdog, "exit_on_hang", record)
+    config = tiny_config(MeshConfig(), steps=4)
+    tc = dataclasses.replace(config.train, hang_timeout_s=2.5, log_every=1)
+    if phase == "eval":
+        tc = dataclasses.replace(tc, eval_every=4, eval_batches=1)
+        monkeypatch.setattr(data_lib.Loader, "val_batch",
+                            held_until(release, data_lib.Loader.val_batch))
+    elif phase == "checkpoint":  # the writer thread holds step 2; the save of 4 waits for it
+        config = dataclasses.replace(config, checkpoint=CheckpointConfig(
+            dir=str(tmp_path / "ckpt"), every=2))
+        monkeypatch.setattr(Checkpointer, "_finite", held_until(release, Checkpointer._finite))
+    else:
+        tc = dataclasses.replace(tc, sample_tokens=4)
+        compile_generate = evaluation.compile_generate
+        monkeypatch.setattr(evaluation, "compile_generate", lambda *a, **k: held_until(
+            release, compile_generate(*a, **k)))
+    result = train(dataclasses.replace(config, train=tc))
+    assert len(reports) == 1, [r.line for r in reports]
+    line = reports[0].line
+    assert re.search(rf"^hang: {what} made no progress for \d+ s \(--hang-timeout 2.5\); "
+                     rf"process 0 last finished step 4 and is in phase '{phase}' on the host",
+                     line), line
+    assert frame in reports[0].stacks
+    assert result.history[-1]["step"] == 4  # released, the run went on
+    assert phase != "checkpoint" or result.checkpoint_step == 4
+
+
+def test_coordination_client_is_where_jax_keeps_it(monkeypatch):
+    """The heartbeats' one private JAX use (``watchdog.coordination_client``): this test
+    fails if a jax release moves it; a run then warns and watches each process alone."""
+    assert watchdog.coordination_client() is None  # found; no client in one process
+    from jax._src.lib import _jax  # the client's type: the two methods the store calls
+    assert "allow_overwrite" in _jax.DistributedRuntimeClient.key_value_set.__doc__
+    assert "list[tuple[str, str]]" in _jax.DistributedRuntimeClient.key_value_dir_get.__doc__
+    from jax._src import distributed as private
+    jax.devices()  # the backend reads the client as it starts: start it before the patch
+    monkeypatch.setattr(private, "global_state", object())  # as if jax had moved it
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.warns(RuntimeWarning, match=r"no heartbeats between processes \(jax .* has "
+                      r"no jax._src.distributed.global_state.client"):
+        dog = watchdog.for_run(5.0)
+    assert dog.store is None and dog.enabled
 
 
 class FakeStore:
