@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,12 +22,12 @@ from shardlib import data as data_lib
 from shardlib import observe
 from shardlib.checkpoint import Checkpointer, open_for_training
 from shardlib.config import Config
-from shardlib.distributed import any_process
+from shardlib.distributed import any_process, main_print
 from shardlib.interop.hf import pretrained_state
 from shardlib.models import count_params
 from shardlib.planner import resolve_auto
 from shardlib.reporting import NullReporter, Reporter
-from shardlib.run import goodput, watchdog
+from shardlib.run import goodput, resume, watchdog
 from shardlib.run.evaluation import eval_loss, eval_row, sample_text
 from shardlib.run.guards import Guards
 from shardlib.train import comm, nonfinite
@@ -72,6 +73,7 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
     timeline = goodput.Timeline()
     reporter = observe.attach(reporter or NullReporter(), config.train)
     nonfinite.check_config(config.train)
+    resume.check_config(config.train)
     dog = watchdog.for_run(config.train.hang_timeout_s)
     timeline.listeners.append(dog.on_phase)
     checkpointer = open_for_training(config.checkpoint)  # a bad directory fails first
@@ -83,6 +85,10 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
     if state is None and checkpointer is not None and config.checkpoint.resume:
         state = checkpointer.restore_latest(setup)
         result.resumed_from = None if state is None else int(state.step)
+    setup, notes = resume.after_restore(setup, result.resumed_from)  # lr cut on resume
+    result.setup = setup
+    for note in notes:
+        main_print(f"shardlib train: {note}", file=sys.stderr, flush=True)
     if state is None and config.train.init_from:  # fine-tune HF weights (resume wins)
         state = pretrained_state(setup, config.train.init_from)
     state = state if state is not None else init_state(setup, config.train.seed)
@@ -133,12 +139,14 @@ def _finish(setup: TrainSetup, state: TrainState, result: TrainResult,
 def _loader(setup: TrainSetup, source: data_lib.Source, state: TrainState,
             checkpointer: Checkpointer | None, resumed_from: int | None) -> data_lib.Loader:
     """The run's loader, at the position saved with the resumed checkpoint (else at batch
-    ``state.step``); checkpoints save its position after each saved step."""
+    ``state.step``) plus ``train.skip_batches``; checkpoints save its position after each
+    saved step."""
     loader = data_lib.make_loader(setup.config, source, setup.batch_sharding)
     loader.next_batch = int(state.step)
     saved = None if resumed_from is None else checkpointer.saved_data_state(resumed_from)
     if saved is not None:
         loader.restore(saved)
+    loader.next_batch += setup.config.train.skip_batches  # past the batches before a halt
     if checkpointer is not None:
         offset = loader.next_batch - int(state.step)  # batch k feeds step k + 1 - offset
         checkpointer.data_state = lambda step: loader.state(step + offset)
