@@ -42,7 +42,8 @@ from shardlib.analysis.hlo import parse_collectives  # noqa: E402
 from shardlib.config import CommConfig, Config, MeshConfig, TrainConfig  # noqa: E402
 from shardlib.inspect import abstract_batch  # noqa: E402
 from shardlib.models import get_preset  # noqa: E402
-from shardlib.run.loop import evaluate, train  # noqa: E402
+from shardlib.run.evaluation import evaluate  # noqa: E402
+from shardlib.run.loop import train  # noqa: E402
 from shardlib.train import comm  # noqa: E402
 from shardlib.train.state import abstract_state, build_setup, init_state  # noqa: E402
 from shardlib.train.step import make_eval_step, make_train_step  # noqa: E402

@@ -147,6 +147,10 @@ class TrainConfig:
     # dump stacks, exit non-zero. -1: max(300 s, 20 x the median step); 0: off
     on_nonfinite: str = "halt"  # non-finite loss/grad norm: halt | skip (keep state, count)
     max_skipped: int = 10  # skip: halt after this many non-finite steps in a row
+    # Resuming past a halt (shardlib.run.resume): start the data this many batches further
+    # on (after the checkpoint's position on --resume), past the batches that brought a NaN
+    skip_batches: int = 0
+    lr_scale_on_resume: float = 1.0  # a run that restores a checkpoint: lr schedule x this
 
 
 @dataclass(frozen=True)

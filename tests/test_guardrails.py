@@ -1,8 +1,10 @@
 """Runs that guard themselves (docs/when-runs-go-wrong.md): a run driven to NaN halts
 with one line and leaves only finite checkpoints; ``--resume`` continues from the last
-finite one and passes over a hand-corrupted one; ``skip`` keeps the state of a bad step
-(DiLoCo too); goodput's buckets cover the wall time; a stuck step is reported with its
-stacks, and under ``shardlib launch`` a SIGSTOPped process is named by the other.
+finite one and passes over a hand-corrupted one; ``--skip-batches`` and
+``--lr-scale-on-resume`` get a resumed run past a bad batch; ``skip`` keeps the state of a
+bad step (DiLoCo too); goodput's buckets cover the wall time; a stuck step, eval, save or
+sample is reported with its stacks, and under ``shardlib launch`` a SIGSTOPped process is
+named by the other.
 
 Small on purpose: the tiny model, 8 x 32 tokens, one diverging run shared by the
 checkpoint tests, and one two-process launch.
@@ -32,13 +34,14 @@ from shardlib import data as data_lib
 from shardlib.checkpoint import Checkpointer, CheckpointWarning, leaf_path
 from shardlib.cli import NONFINITE_EXIT_STATUS, main
 from shardlib.config import CheckpointConfig, CommConfig, MeshConfig
+from shardlib.errors import ConfigError
 from shardlib.observe import read_scalars
-from shardlib.run import watchdog
+from shardlib.run import evaluation, resume, watchdog
 from shardlib.run.goodput import PROGRESS_FILE, Timeline, fractions
 from shardlib.run.loop import train
 from shardlib.train import nonfinite
 from shardlib.train.state import build_setup, init_state
-from shardlib.train.step import make_train_step
+from shardlib.train.step import lr_at, make_train_step
 from tests.helpers import tiny_config
 
 RUN = ["train", "--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--data",
@@ -135,6 +138,94 @@ def test_corrupted_checkpoint_is_skipped_on_resume(diverged, tmp_path):
                       "values"):
         state = Checkpointer(directory).restore_latest(setup)
     assert int(state.step) == steps[-2]
+
+
+POISONED = 3  # the synthetic batch (0-based) that step 4 reads
+
+
+@pytest.fixture
+def poisoned_batch(monkeypatch):
+    """Batch ``POISONED`` of the synthetic data holds token ids past the embedding table
+    (a corrupt shard): its forward pass, loss and gradients are NaN whatever the state."""
+    open_source = data_lib.open_source
+
+    def poisoned_source(config):
+        source = open_source(config)
+        read = source.train
+
+        def train_rows(k: int, start: int, stop: int) -> dict[str, np.ndarray]:
+            rows = read(k, start, stop)
+            if k != POISONED:
+                return rows
+            return {**rows, "inputs": np.full_like(rows["inputs"], 4 * config.model.vocab_size)}
+
+        source.train = train_rows
+        return source
+
+    monkeypatch.setattr(data_lib, "open_source", poisoned_source)
+
+
+def rows_of(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_skip_batches_resumes_past_a_bad_batch(poisoned_batch, tmp_path, capsys):
+    """The run halts at the step that reads the bad batch; ``--resume`` alone reads it
+    again and halts at the same step; with ``--skip-batches 1 --lr-scale-on-resume 0.5``
+    it passes over it and finishes finite, at half the learning rate, and its last
+    checkpoint's data position is one batch further on."""
+    directory = tmp_path / "ckpt"
+    run = [*RUN, "--steps", "5", "--lr", "1e-3", "--checkpoint-dir", str(directory),
+           "--checkpoint-every", str(POISONED)]
+    rc = main([*run, "--metrics-file", str(tmp_path / "first.jsonl")])
+    first = HALT.search(capsys.readouterr().err)
+    assert rc == NONFINITE_EXIT_STATUS and first, first
+    bad, good = map(int, first.groups()[:2])
+    assert (bad, good) == (POISONED + 1, POISONED)
+    rc = main([*run, "--resume"])
+    again = HALT.search(capsys.readouterr().err)
+    assert rc == NONFINITE_EXIT_STATUS and again and again.groups()[:2] == first.groups()[:2]
+    metrics = tmp_path / "resumed.jsonl"
+    rc = main([*run, "--resume", "--skip-batches", "1", "--lr-scale-on-resume", "0.5",
+               "--metrics-file", str(metrics)])
+    err = capsys.readouterr().err
+    assert rc == 0, err[-2000:]
+    assert f"--skip-batches 1: step {bad} reads the batch step {bad + 1} would have read" in err
+    rows = rows_of(metrics)
+    assert [r["step"] for r in rows] == list(range(bad, 6))
+    assert all(np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"]) for r in rows), rows
+    first_lr = {r["step"]: r["lr"] for r in rows_of(tmp_path / "first.jsonl")}
+    assert rows[0]["lr"] == pytest.approx(0.5 * first_lr[bad], rel=1e-6)
+    saved = Checkpointer(directory, read_only=True).saved_data_state(5)
+    assert saved["next_batch"] == 5 + 1  # batch k fed step k + 1 before; k + 2 after the skip
+
+
+def test_lr_scale_applies_only_to_a_resumed_run():
+    """``after_restore`` scales the whole schedule (the optimizer state keeps its
+    structure, so a restored state fits) only when a checkpoint was restored."""
+    config = tiny_config(MeshConfig(), steps=12)
+    setup = build_setup(dataclasses.replace(config, train=dataclasses.replace(
+        config.train, lr_scale_on_resume=0.25)))
+    fresh, notes = resume.after_restore(setup, None)
+    assert fresh is setup and "no checkpoint restored, the learning rate is not scaled" in notes[0]
+    resumed, notes = resume.after_restore(setup, 5)
+    for step in (0, 5, 11):
+        assert float(lr_at(resumed, step)) == pytest.approx(0.25 * float(lr_at(setup, step)))
+    shapes = lambda s: jax.tree.structure(jax.eval_shape(s.tx.init, s.abstract_params))  # noqa: E731
+    assert shapes(resumed) == shapes(setup) and "resumed from step 5" in notes[0]
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("skip_batches", -1, "--skip-batches -1: must be >= 0"),
+    ("lr_scale_on_resume", 0.0, "--lr-scale-on-resume 0: must be a number > 0"),
+    ("lr_scale_on_resume", float("nan"), "--lr-scale-on-resume nan: must be a number > 0"),
+])
+def test_bad_resume_options_are_named(field, value, needle):
+    config = tiny_config(MeshConfig())
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train,
+                                                                   **{field: value}))
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        train(config)
 
 
 def test_save_refuses_a_non_finite_state(tmp_path):
@@ -263,6 +354,73 @@ def test_stuck_step_is_reported_with_stacks(monkeypatch):
                      r"last finished step 3 and is in phase 'step' on the host", line), line
     assert "Thread MainThread" in reports[0].stacks and "in dispatched" in reports[0].stacks
     assert result.history[-1]["step"] == 4  # released, the run went on
+
+
+def held_until(release: threading.Event, function):
+    """``function`` that first waits for ``release`` (a hang the report ends)."""
+    def held(*args, **kwargs):
+        release.wait(300)  # never hang the suite
+        return function(*args, **kwargs)
+    return held
+
+
+@pytest.mark.parametrize("phase, what, frame", [
+    ("eval", "eval", "in eval_loss"),
+    ("checkpoint", "the checkpoint save", "in _hand_off"),
+    ("sample", "sampling", "in sample_text"),
+])
+def test_hang_outside_a_step_is_reported(phase, what, frame, monkeypatch, tmp_path):
+    """A stuck eval batch read, checkpoint writer or sampler is reported like a stuck step
+    (their compiles are not watched: the eval and sampling compiles run in these runs
+    under the same 2.5 s timeout); the report releases it and the run finishes."""
+    release, reports = threading.Event(), []
+
+    def record(report: watchdog.Report) -> None:
+        reports.append(report)
+        release.set()
+
+    monkeypatch.setattr(watchdog, "exit_on_hang", record)
+    config = tiny_config(MeshConfig(), steps=4)
+    tc = dataclasses.replace(config.train, hang_timeout_s=2.5, log_every=1)
+    if phase == "eval":
+        tc = dataclasses.replace(tc, eval_every=4, eval_batches=1)
+        monkeypatch.setattr(data_lib.Loader, "val_batch",
+                            held_until(release, data_lib.Loader.val_batch))
+    elif phase == "checkpoint":  # the writer thread holds step 2; the save of 4 waits for it
+        config = dataclasses.replace(config, checkpoint=CheckpointConfig(
+            dir=str(tmp_path / "ckpt"), every=2))
+        monkeypatch.setattr(Checkpointer, "_finite", held_until(release, Checkpointer._finite))
+    else:
+        tc = dataclasses.replace(tc, sample_tokens=4)
+        compile_generate = evaluation.compile_generate
+        monkeypatch.setattr(evaluation, "compile_generate", lambda *a, **k: held_until(
+            release, compile_generate(*a, **k)))
+    result = train(dataclasses.replace(config, train=tc))
+    assert len(reports) == 1, [r.line for r in reports]
+    line = reports[0].line
+    assert re.search(rf"^hang: {what} made no progress for \d+ s \(--hang-timeout 2.5\); "
+                     rf"process 0 last finished step 4 and is in phase '{phase}' on the host",
+                     line), line
+    assert frame in reports[0].stacks
+    assert result.history[-1]["step"] == 4  # released, the run went on
+    assert phase != "checkpoint" or result.checkpoint_step == 4
+
+
+def test_coordination_client_is_where_jax_keeps_it(monkeypatch):
+    """The heartbeats' one private JAX use (``watchdog.coordination_client``): this test
+    fails if a jax release moves it; a run then warns and watches each process alone."""
+    assert watchdog.coordination_client() is None  # found; no client in one process
+    from jax._src.lib import _jax  # the client's type: the two methods the store calls
+    assert "allow_overwrite" in _jax.DistributedRuntimeClient.key_value_set.__doc__
+    assert "list[tuple[str, str]]" in _jax.DistributedRuntimeClient.key_value_dir_get.__doc__
+    from jax._src import distributed as private
+    jax.devices()  # the backend reads the client as it starts: start it before the patch
+    monkeypatch.setattr(private, "global_state", object())  # as if jax had moved it
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.warns(RuntimeWarning, match=r"no heartbeats between processes \(jax .* has "
+                      r"no jax._src.distributed.global_state.client"):
+        dog = watchdog.for_run(5.0)
+    assert dog.store is None and dog.enabled
 
 
 class FakeStore:

@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: max(300, 20 x the median step); 0: off)")
     train.add_argument("--on-nonfinite", choices=("halt", "skip"), help="a NaN/inf loss or "
                        "grad norm: halt (default, exit 4) or skip the step (state kept)")
+    train.add_argument("--skip-batches", type=int, metavar="N", help="start the data N "
+                       "batches further on (after the checkpoint's position with --resume): "
+                       "past the batches before a NaN halt")
+    train.add_argument("--lr-scale-on-resume", type=float, metavar="FACTOR", help="a run "
+                       "that restores a checkpoint trains with its learning-rate schedule "
+                       "times FACTOR, e.g. 0.5 after a NaN halt (default 1)")
     add_distributed_flags(train)
     add_launch_parser(sub)
     from shardlib.cli.data import add_data_parsers
@@ -165,6 +171,8 @@ FLAG_FIELDS = {  # CLI flag (argparse dest) -> (config section, field)
     "keep": ("checkpoint", "keep"), "resume": ("checkpoint", "resume"),
     "tokenizer": ("data", "tokenizer"),
     "hang_timeout": ("train", "hang_timeout_s"), "on_nonfinite": ("train", "on_nonfinite"),
+    "skip_batches": ("train", "skip_batches"),
+    "lr_scale_on_resume": ("train", "lr_scale_on_resume"),
 }
 
 

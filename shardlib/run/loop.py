@@ -7,9 +7,9 @@ between those, steps are dispatched asynchronously and their metrics stay on dev
 
 from __future__ import annotations
 
-import math
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -22,18 +22,18 @@ from shardlib import data as data_lib
 from shardlib import observe
 from shardlib.checkpoint import Checkpointer, open_for_training
 from shardlib.config import Config
-from shardlib.distributed import any_process
+from shardlib.distributed import any_process, main_print
 from shardlib.interop.hf import pretrained_state
 from shardlib.models import count_params
 from shardlib.planner import resolve_auto
 from shardlib.reporting import NullReporter, Reporter
-from shardlib.run import goodput, watchdog
+from shardlib.run import goodput, resume, watchdog
+from shardlib.run.evaluation import eval_loss, eval_row, sample_text
 from shardlib.run.guards import Guards
 from shardlib.train import comm, nonfinite
 from shardlib.train.comm_policy import Adaptive
-from shardlib.train.generate import generate
 from shardlib.train.state import TrainSetup, TrainState, build_setup, init_state
-from shardlib.train.step import make_eval_step, make_train_step
+from shardlib.train.step import make_train_step
 
 
 @dataclass
@@ -48,15 +48,6 @@ class TrainResult:
     stopped_by: str | None = None  # "SIGTERM"/"SIGINT" if a signal stopped it early
     checkpoint_step: int | None = None  # newest checkpoint on disk at the end
     halt_message: str | None = None  # why a non-finite loss/grad norm halted the run
-
-
-def evaluate(eval_step, params, val: data_lib.Batches | data_lib.Loader, setup: TrainSetup,
-             count: int) -> float:
-    """Mean loss over ``count`` held-out batches (of a corpus, or a loader's val split)."""
-    batch = val.val_batch if isinstance(val, data_lib.Loader) else \
-        (lambda i: data_lib.global_batch(val, i, setup.batch_sharding))
-    losses = [eval_step(params, batch(i)) for i in range(count)]
-    return float(np.mean(jax.device_get(losses)))
 
 
 def _rows(pending: list[tuple[int, dict]], since: float, tokens: int) -> list[dict[str, Any]]:
@@ -82,6 +73,7 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
     timeline = goodput.Timeline()
     reporter = observe.attach(reporter or NullReporter(), config.train)
     nonfinite.check_config(config.train)
+    resume.check_config(config.train)
     dog = watchdog.for_run(config.train.hang_timeout_s)
     timeline.listeners.append(dog.on_phase)
     checkpointer = open_for_training(config.checkpoint)  # a bad directory fails first
@@ -93,6 +85,10 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
     if state is None and checkpointer is not None and config.checkpoint.resume:
         state = checkpointer.restore_latest(setup)
         result.resumed_from = None if state is None else int(state.step)
+    setup, notes = resume.after_restore(setup, result.resumed_from)  # lr cut on resume
+    result.setup = setup
+    for note in notes:
+        main_print(f"shardlib train: {note}", file=sys.stderr, flush=True)
     if state is None and config.train.init_from:  # fine-tune HF weights (resume wins)
         state = pretrained_state(setup, config.train.init_from)
     state = state if state is not None else init_state(setup, config.train.seed)
@@ -104,19 +100,30 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
     observer = observe.RunObserver(setup)
     loader = _loader(setup, source, state, checkpointer, result.resumed_from)
     timeline.lap("startup")
-    try:
+    try:  # the watchdog watches the steps, eval, the final save and the sample
         with StopSignals(enabled=checkpointer is not None) as stop:
             state, compile_s = _run(setup, state, result, reporter, checkpointer, stop,
                                     observer, loader, guards)
+        loader.close()
+        result.state = state
+        result.summary = summarize(result.history, compile_s, time.perf_counter() - started)
+        result.summary.update(observer.summary(result.summary))  # MFU, peak memory, trace
+        _finish(setup, state, result, checkpointer, guards, source.tokenizer)
     except Exception:
         guards.explain_hang()
         raise
     finally:
         dog.close()
-    loader.close()
-    result.state = state
-    result.summary = summarize(result.history, compile_s, time.perf_counter() - started)
-    result.summary.update(observer.summary(result.summary))  # MFU, peak memory, trace
+    result.summary.update(timeline.summary())
+    reporter.on_end(result.summary, result.sample)
+    return result
+
+
+def _finish(setup: TrainSetup, state: TrainState, result: TrainResult,
+            checkpointer: Checkpointer | None, guards: Guards,
+            tokenizer: data_lib.Tokenizer) -> None:
+    """The final save, the halt line of a non-finite run, and the sample."""
+    config, timeline = setup.config, guards.timeline
     if checkpointer is not None:
         with timeline.phase("checkpoint"):
             _final_save(checkpointer, state, config, result)
@@ -124,33 +131,26 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
         result.halt_message = nonfinite.halt_message(
             guards.tracker.reason, config.checkpoint.dir, result.checkpoint_step)
     with timeline.phase("sample"):
-        result.sample = "" if result.stopped_by else _sample(setup, state, config.train,
-                                                             source.tokenizer)
+        if not result.stopped_by:
+            result.sample = sample_text(setup, state, config.train, tokenizer, timeline)
     result.summary.update(guards.tracker.summary())
-    result.summary.update(timeline.summary())
-    reporter.on_end(result.summary, result.sample)
-    return result
 
 
 def _loader(setup: TrainSetup, source: data_lib.Source, state: TrainState,
             checkpointer: Checkpointer | None, resumed_from: int | None) -> data_lib.Loader:
     """The run's loader, at the position saved with the resumed checkpoint (else at batch
-    ``state.step``); checkpoints save its position after each saved step."""
+    ``state.step``) plus ``train.skip_batches``; checkpoints save its position after each
+    saved step."""
     loader = data_lib.make_loader(setup.config, source, setup.batch_sharding)
     loader.next_batch = int(state.step)
     saved = None if resumed_from is None else checkpointer.saved_data_state(resumed_from)
     if saved is not None:
         loader.restore(saved)
+    loader.next_batch += setup.config.train.skip_batches  # past the batches before a halt
     if checkpointer is not None:
         offset = loader.next_batch - int(state.step)  # batch k feeds step k + 1 - offset
         checkpointer.data_state = lambda step: loader.state(step + offset)
     return loader
-
-
-def _eval_row(row: dict[str, Any], loss: float, loader: data_lib.Loader) -> None:
-    """Eval loss (nats per token) and bits per byte of text (comparable across tokenizers)."""
-    row["eval_loss"] = loss
-    row["eval_bits_per_byte"] = loss * loader.source.tokens_per_byte / math.log(2)
 
 
 def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Reporter,
@@ -173,7 +173,7 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
     observer.on_compiled(step_fn)
     adapt = _adaptive(setup, state, first, step_fn)  # comm.policy: None unless on
     keep_fn = _keeping_step(setup, state, first, checkpointer)
-    eval_step = make_eval_step(setup)
+    eval_fns: dict[str, Any] = {}  # compiled at the first eval
     tokens = tc.batch_size * tc.seq_len
     pending: list[tuple[int, dict]] = []
     after_save = to_save = None  # the non-donating step; a kept state to save
@@ -214,9 +214,7 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
             if loader.state()["epoch"] is not None:
                 rows[-1]["epoch"] = loader.state()["epoch"]
             if do_eval and halt is None:
-                with timeline.phase("eval"):
-                    _eval_row(rows[-1], evaluate(eval_step, state.params, loader, setup,
-                                                 tc.eval_batches), loader)
+                eval_row(rows[-1], eval_loss(setup, state, loader, guards, eval_fns), loader)
             if adapt is not None:
                 adapt.annotate(rows)
             if due and halt is None:
@@ -358,13 +356,3 @@ def summarize(history: list[dict[str, Any]], compile_s: float, total_s: float) -
         "step_time_s": float(np.median([r["step_time_s"] for r in steady])),
         "compile_time_s": compile_s, "total_time_s": total_s,
     }
-
-
-def _sample(setup: TrainSetup, state: TrainState, tc, tokenizer: data_lib.Tokenizer) -> str:
-    """Generated text, encoded and decoded through the run's tokenizer."""
-    if tc.sample_tokens <= 0:
-        return ""
-    prompt = np.asarray(tokenizer.encode("def " if tc.data == "stdlib" else "\n"), np.int32)
-    rows = generate(setup, state.params, prompt, tc.sample_tokens,
-                    temperature=tc.sample_temperature, top_k=tc.sample_top_k, seed=tc.seed)
-    return tokenizer.decode(rows[0])

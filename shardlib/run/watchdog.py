@@ -2,10 +2,12 @@
 
 JAX has no timeout for a step whose collective never completes (a wedged host, a stopped
 process): every other process waits forever. ``Watchdog`` runs a thread that polls the
-results of the steps the loop dispatched; when none has finished for ``timeout`` seconds
-(outside compilation, checkpoint saves, eval and sampling, which pause the clock) it
-prints one line naming the process(es) behind and the step they last finished, dumps
-every Python thread's stack, and exits with status ``HANG_EXIT_STATUS``.
+work the loop dispatched (train steps, eval batches); when nothing has made progress for
+``timeout`` seconds it prints one line naming the process(es) behind and the step they
+last finished, dumps every Python thread's stack, and exits with status
+``HANG_EXIT_STATUS``. Progress is a finished step or eval batch, or the end of a phase:
+eval, sampling and checkpoint saves are watched like steps (each must finish within the
+timeout); only compilation and start-up pause the clock.
 
 With several processes each one also publishes a heartbeat (its last finished step and
 phase) through the ``jax.distributed`` key-value store every ``beat_s`` seconds; a
@@ -25,19 +27,20 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-from jax._src import distributed as jax_distributed  # the coordination service's KV store
 
 from shardlib.errors import ConfigError
 
 HANG_EXIT_STATUS = 3
 AUTO_FLOOR_S = 300.0  # the automatic timeout: max(this, AUTO_STEPS x the median step)
 AUTO_STEPS = 20
-EXEMPT = ("compile", "checkpoint", "eval", "sample", "startup")  # never a hang
+EXEMPT = ("compile", "startup")  # no progress to watch: they pause the clock
+WORK = {"eval": "eval", "sample": "sampling", "checkpoint": "the checkpoint save"}  # watched
 KEY_PREFIX = "shardlib/watchdog/"
 STALL_ENV = "SHARDLIB_TEST_STALL_AT_STEP"  # test hook: block the main thread after step N
 _stall_release = threading.Event()
@@ -88,11 +91,30 @@ def python_stacks() -> str:
     return "".join(out)
 
 
+class JaxMovedError(LookupError):
+    """The installed jax keeps its coordination client somewhere else."""
+
+
+def coordination_client() -> Any:
+    """``jax.distributed``'s coordination-service client (None before ``initialize``).
+
+    The one use of a private JAX module in shardlib: jax 0.10 to 0.12 export no handle on
+    the service's key-value store (``jax.distributed`` has only ``initialize``,
+    ``is_initialized`` and ``shutdown``; orbax reads the same attribute). A test fails
+    if it moves (tests/test_guardrails.py); a run then goes on without heartbeats."""
+    try:
+        from jax._src import distributed as private
+        return private.global_state.client
+    except (ImportError, AttributeError) as err:
+        raise JaxMovedError(f"jax {jax.__version__} has no jax._src.distributed.global_state"
+                            f".client ({err})") from err
+
+
 class KVStore:
     """The ``jax.distributed`` key-value store (None when there is one process)."""
 
     def __init__(self) -> None:
-        self.client = jax_distributed.global_state.client
+        self.client = coordination_client()
 
     def put(self, key: str, value: str) -> None:
         self.client.key_value_set(KEY_PREFIX + key, value, allow_overwrite=True)
@@ -117,7 +139,7 @@ class Watchdog:
         self.poll_s = poll_s or (min(0.5, self.fixed / 10) if self.fixed else 0.5)
         self.beat_s = min(1.0, self.fixed / 5) if self.fixed else 1.0
         self.lock = threading.Lock()
-        self.pending: collections.deque = collections.deque()  # (step, marker)
+        self.pending: collections.deque = collections.deque()  # (step or None, marker)
         self.intervals: collections.deque = collections.deque(maxlen=200)  # s per step
         self.last_step = 0  # last finished step
         self.progress = time.monotonic()  # last finished step, or end of an exempt phase
@@ -155,8 +177,8 @@ class Watchdog:
             elif self.phases:
                 self.phases.pop()
             self.phase_since = time.monotonic()
-            if not entering and name in EXEMPT:
-                self.progress = time.monotonic()
+            if not entering and (name in EXEMPT or name in WORK):
+                self.progress = time.monotonic()  # a phase that finished is progress
 
     def dispatched(self, step: int, marker: jax.Array) -> None:
         """Step ``step`` was dispatched; ``marker`` (one of its outputs) is ready once it
@@ -165,6 +187,12 @@ class Watchdog:
             self.pending.append((step, marker))
         if os.environ.get(STALL_ENV) == str(step):
             _stall_release.wait()  # test hook: a step that never comes back
+
+    def working(self, marker: jax.Array) -> None:
+        """Work other than a step was dispatched (an eval batch): ``marker`` is ready once
+        it has finished, which counts as progress."""
+        with self.lock:
+            self.pending.append((None, marker))
 
     def close(self) -> None:
         """Stop the threads (a final heartbeat says this process is done)."""
@@ -206,6 +234,9 @@ class Watchdog:
                     return
                 step, _ = self.pending.popleft()
                 now = time.monotonic()
+                if step is None:  # not a step: progress, but no step time
+                    self.progress = now
+                    continue
                 if step > self.last_step:
                     self.intervals.append((now - self.progress) / (step - self.last_step))
                 self.last_step, self.progress = step, now
@@ -242,9 +273,10 @@ class Watchdog:
     def report(self, late: float) -> Report:
         with self.lock:
             here = self._where()
-            line = (f"hang: no step finished for {late:.0f} s (--hang-timeout "
-                    f"{self.timeout():g}); process {self.index} last finished step "
-                    f"{self.last_step} and is {here}")
+            work = [WORK[p] for p in self.phases if p in WORK]
+            what = f"{work[-1]} made no progress" if work else "no step finished"
+            line = (f"hang: {what} for {late:.0f} s (--hang-timeout {self.timeout():g}); "
+                    f"process {self.index} last finished step {self.last_step} and is {here}")
             stuck, behind = self._behind() if self.store is not None else ([], "")
         return Report(line + behind + "; Python stacks above", python_stacks(), stuck)
 
@@ -252,7 +284,8 @@ class Watchdog:
         phase = self.phases[-1] if self.phases else "between steps"
         if self.pending:
             first = self.pending[0][0]
-            return (f"waiting for step {first} on the device (its compute or a collective; "
+            what = "an eval batch" if first is None else f"step {first}"
+            return (f"waiting for {what} on the device (its compute or a collective; "
                     f"main thread in phase '{phase}')")
         return f"in phase '{phase}' on the host"
 
@@ -299,6 +332,12 @@ class Watchdog:
 
 def for_run(timeout_s: float, **kwargs: Any) -> Watchdog:
     """The run's watchdog: heartbeats through the KV store when there are several
-    processes."""
-    store = KVStore() if jax.process_count() > 1 else None
+    processes (without them, with a warning, if jax moved its coordination client)."""
+    store = None
+    if jax.process_count() > 1 and timeout_s != 0:
+        try:
+            store = KVStore()
+        except JaxMovedError as err:
+            warnings.warn(f"hang watchdog: no heartbeats between processes ({err}); each "
+                          "process still watches its own steps", RuntimeWarning, stacklevel=2)
     return Watchdog(timeout_s, store=store, **kwargs)

@@ -10,6 +10,7 @@ batch of prompts of different lengths, cache sharded like the activations.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 
 import jax
@@ -38,6 +39,15 @@ def sample_logits(logits_bv: jax.Array, key: jax.Array, temperature: float,
 def generate(setup: TrainSetup, params: nnx.State, prompt: np.ndarray, num_tokens: int, *,
              temperature: float = 0.8, top_k: int = 20, seed: int = 0) -> np.ndarray:
     """Continue ``prompt`` (1-D int tokens) by ``num_tokens``; returns (rows, len+new)."""
+    return compile_generate(setup, params, prompt, num_tokens, temperature=temperature,
+                            top_k=top_k)(params, seed)
+
+
+def compile_generate(setup: TrainSetup, params: nnx.State, prompt: np.ndarray,
+                     num_tokens: int, *, temperature: float = 0.8, top_k: int = 20
+                     ) -> Callable[[nnx.State, int], np.ndarray]:
+    """``generate`` compiled ahead of time: a function of (params, seed) that only runs
+    (the loop times compiling and sampling apart, and its watchdog watches only the run)."""
     window = setup.config.train.seq_len
     rows = _shards(setup, dim=0)
     prompt = np.asarray(prompt, np.int32)[-window:]
@@ -63,8 +73,13 @@ def generate(setup: TrainSetup, params: nnx.State, prompt: np.ndarray, num_token
         return jax.lax.fori_loop(0, num_tokens, partial(step, params), (buf_bt, out_bn, key))[1]
 
     buf = jax.device_put(buf_bt, setup.batch_sharding)
-    new_bn = np.asarray(run(params, buf, jax.random.key(seed)))
-    return np.concatenate([np.broadcast_to(prompt, (rows, len(prompt))), new_bn], axis=1)
+    compiled = run.lower(params, buf, jax.random.key(0)).compile()
+
+    def sample(params: nnx.State, seed: int) -> np.ndarray:
+        new_bn = np.asarray(compiled(params, buf, jax.random.key(seed)))
+        return np.concatenate([np.broadcast_to(prompt, (rows, len(prompt))), new_bn], axis=1)
+
+    return sample
 
 
 def generate_cached(setup: TrainSetup, params: nnx.State, prompts: list[list[int]],
