@@ -113,7 +113,7 @@ def analyze(config: Config, devices: list[jax.Device] | None = None, *,
     compile_s = time.perf_counter() - started
     text = compiled.as_text()
     collectives = parse_collectives(text, setup.mesh)
-    terms = comm_terms(config, setup.sizes)
+    terms = comm_terms(config, setup.sizes, gather_bytes=gather_bytes(setup))
     memory = memory_report(compiled, state, batch, state_bytes_per_device(config, setup.sizes))
     flops = flops_report(config, compiled, setup.mesh.devices.size)
     facts = kernel_facts(text)
@@ -154,13 +154,23 @@ def attention_kernel(setup: TrainSetup) -> str:
     cfg, model = setup.config, setup.config.model
     return resolve_attention(cfg.attention.impl, backend=platform_of(setup.mesh),
                              seq_len=cfg.train.seq_len, dtype=setup.policy.compute,
-                             head_dim=model.head_dim)
+                             head_dim=model.head_dim, manual=True)  # the step's shard_map
+
+
+def gather_bytes(setup: TrainSetup) -> int:
+    """Bytes per element FSDP's weights travel in: the compute dtype where the explicit
+    step casts before gathering (GPU/TPU), the parameter dtype on XLA CPU (whose
+    collectives stay fp32) and under XLA's partitioner."""
+    explicit = tensor.gathers_by_hand(setup.config, setup.sizes)
+    if explicit and platform_of(setup.mesh) != "cpu":
+        return jnp.dtype(setup.policy.compute).itemsize
+    return jnp.dtype(setup.policy.param).itemsize
 
 
 def peak_formula(setup: TrainSetup) -> PeakTerms:
     """``analysis.peak`` for this setup: its path, microbatches and dtypes."""
     config, compute = setup.config, jnp.dtype(setup.policy.compute).itemsize
-    cpu = setup.mesh.devices.flat[0].platform == "cpu"
+    cpu = platform_of(setup.mesh) == "cpu"
     return peak_terms(config, setup.sizes, explicit=tensor.gathers_by_hand(config, setup.sizes),
                       microbatches=config.train.grad_accum, compute_bytes=compute,
                       gather_bytes=4 if cpu else compute, prefetch=not cpu)

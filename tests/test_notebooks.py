@@ -34,6 +34,7 @@ PARAMETERS: dict[str, dict[str, object]] = {
     "07_planner": {"MODEL": "tiny", "SEQ_LEN": 64, "COMPILE_TOP": 0},
     "08_real_data": {"MODEL": "tiny", "STEPS": 6, "SEQ_LEN": 64, "CORPUS_MB": 0.5,
                      "VOCAB": 512},
+    "09_compile_for_tpu": {"MODEL": "tiny", "SEQ_LEN": 64, "BATCH_SIZE": 8},
 }
 CELL_TIMEOUT_S = 600
 

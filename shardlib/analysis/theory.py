@@ -157,24 +157,26 @@ def unit_elements(model: ModelConfig, sizes: Mapping[str, int]) -> tuple[float, 
     return outside, layers / model.num_layers
 
 
-def fsdp_terms(g: Geometry, regather: bool) -> list[Term]:
+def fsdp_terms(g: Geometry, regather: bool, gather_bytes: int | None = None) -> list[Term]:
     """ZeRO-3 over ``fsdp``: gather every weight for forward, gather each layer's weights
     again in backward when they were dropped after forward (``regather``:
     ``mesh.reshard_after_forward`` on the explicit paths), reduce-scatter the gradient:
     ``3 (F-1)/F P_t`` less the weights outside the layers, which are gathered once
     (embedding, final norm, head: used at both ends of the model), or ``2 (F-1)/F P_t``
-    without the re-gather."""
+    without the re-gather. ``gather_bytes``: bytes per element the weights travel in (the
+    compute dtype where the step casts before gathering: GPU/TPU)."""
     f = g.n("fsdp")
     if f == 1:
         return []
-    p_t = g.params_tensor_split
+    scale = Fraction(gather_bytes or g.param_bytes, g.param_bytes)
+    p_t = g.params_tensor_split * scale
     terms = [
         _term("params all-gather", ["fsdp"], "all-gather", f, p_t, 1, "(F-1)/F P_t"),
         _term("grads reduce-scatter", ["fsdp"], "reduce-scatter", f, p_t, 1, "(F-1)/F P_t"),
     ]
     if regather:
         _, layer = unit_elements(g.model, g.sizes)
-        p_layers = Fraction(round(layer * g.model.num_layers)) * g.param_bytes
+        p_layers = Fraction(round(layer * g.model.num_layers)) * g.param_bytes * scale
         terms.insert(1, _term("layers re-gather (backward)", ["fsdp"], "all-gather", f,
                               p_layers, 1, "(F-1)/F P_t,layers"))
     return terms
@@ -302,12 +304,13 @@ def expert_terms(g: Geometry) -> list[Term]:
                   4 * moe_layers(g.model), "4 L_moe x (X-1)/X b E C d 4")]
 
 
-def comm_terms(config: Config, sizes: Mapping[str, int],
-               param_bytes: int = PARAM_BYTES) -> list[Term]:
-    """Every expected collective pattern of one training step of ``config``."""
+def comm_terms(config: Config, sizes: Mapping[str, int], param_bytes: int = PARAM_BYTES,
+               gather_bytes: int | None = None) -> list[Term]:
+    """Every expected collective pattern of one training step of ``config``
+    (``gather_bytes``: see ``fsdp_terms``)."""
     g = geometry(config, sizes, param_bytes)
     regather = config.mesh.reshard_after_forward and tensor.gathers_by_hand(config, sizes)
-    return [*fsdp_terms(g, regather), *replica_terms(g), *tensor_terms(g),
+    return [*fsdp_terms(g, regather, gather_bytes), *replica_terms(g), *tensor_terms(g),
             *context_terms(g, config.attention.context_parallel),
             *expert_terms(g)]
 

@@ -11,7 +11,8 @@
   a Pallas flash kernel with causal and segment masks. TPU only; the sequence a multiple
   of ``SPLASH_BLOCK`` (128). Tested on CPU through Pallas' interpreter.
 - ``auto``: ``cudnn`` on GPU when the compute dtype is bf16/fp16 and the head dim is a
-  multiple of 8 up to 128; ``splash`` on TPU when the sequence is a multiple of 128;
+  multiple of 8 up to 128; ``splash`` on TPU when the sequence is a multiple of 128 and the
+  call is not inside a ``shard_map`` (the train step's is: see ``check_kernel``);
   otherwise ``chunked`` when the sequence is at least ``AUTO_CHUNKED_FROM`` (1024) tokens;
   otherwise ``xla`` (``resolve`` is the rule).
 
@@ -51,8 +52,10 @@ AUTO_CHUNKED_FROM = 1024  # auto: sequences at least this long use the chunked k
 HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def check_kernel(kernel: str, chunk: int, *, backend: str) -> None:
-    """ConfigError naming the field, the value and the fix, or nothing."""
+def check_kernel(kernel: str, chunk: int, *, backend: str, train_step: bool = False) -> None:
+    """ConfigError naming the field, the value and the fix, or nothing. ``train_step``:
+    the kernel runs inside the train step's ``shard_map``, where splash cannot (jax 0.10's
+    splash kernel gives its outputs no varying-axes type, which ``check_vma`` refuses)."""
     if kernel not in KERNELS:
         raise ConfigError(f"attention.impl={kernel!r}: unknown kernel; use one of "
                           f"{', '.join(KERNELS)} (e.g. --set attention.impl=chunked)")
@@ -64,28 +67,36 @@ def check_kernel(kernel: str, chunk: int, *, backend: str) -> None:
         raise ConfigError(f"attention.impl=splash needs a TPU, but the mesh's platform is "
                           f"{backend!r}; use attention.impl=chunked (long sequences) or xla, "
                           "or auto (picks splash on TPU)")
+    if kernel == "splash" and train_step:
+        raise ConfigError("attention.impl=splash cannot run inside shardlib's train step yet "
+                          "(the splash kernel's outputs carry no varying-axes type, which the "
+                          "step's shard_map checks); use attention.impl=chunked (O(T) memory, "
+                          "any backend) or auto")
     if chunk < 1:
         raise ConfigError(f"attention.chunk={chunk}: the chunked kernel's block must be >= 1 "
                           "token (e.g. 512)")
 
 
-def resolve(kernel: str, *, backend: str, seq_len: int, dtype, head_dim: int) -> str:
-    """The concrete kernel ``kernel`` means here (``auto``'s rule; others are themselves)."""
+def resolve(kernel: str, *, backend: str, seq_len: int, dtype, head_dim: int,
+            manual: bool = False) -> str:
+    """The concrete kernel ``kernel`` means here (``auto``'s rule; others are themselves).
+    ``manual``: called inside a ``shard_map`` (splash cannot run there)."""
     if kernel != "auto":
         return kernel
     if backend == "gpu" and jnp.dtype(dtype) in HALF and head_dim % 8 == 0 and head_dim <= 128:
         return "cudnn"
-    if backend == "tpu" and seq_len % SPLASH_BLOCK == 0:
+    if backend == "tpu" and seq_len % SPLASH_BLOCK == 0 and not manual:
         return "splash"
     return "chunked" if seq_len >= AUTO_CHUNKED_FROM else "xla"
 
 
 def describe(kernel: str, *, seq_len: int, dtype, head_dim: int,
              backend: str | None = None) -> str:
-    """One start-up line saying what ``attention.impl`` runs on ``backend`` (default: the
-    platform being compiled for, ``sharding.compute_platform``)."""
+    """One start-up line saying what ``attention.impl`` runs in the train step on
+    ``backend`` (default: the platform being compiled for, ``sharding.compute_platform``)."""
     backend = compute_platform() if backend is None else backend
-    chosen = resolve(kernel, backend=backend, seq_len=seq_len, dtype=dtype, head_dim=head_dim)
+    chosen = resolve(kernel, backend=backend, seq_len=seq_len, dtype=dtype, head_dim=head_dim,
+                     manual=True)
     return (f"attention: {chosen} kernel (attention.impl={kernel}; {backend}, "
             f"{jnp.dtype(dtype).name}, T={seq_len})")
 
@@ -217,8 +228,9 @@ def attend(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
     kernel = active.kernel if kernel is None else kernel
     chunk = active.chunk if chunk is None else chunk
     backend = compute_platform()
+    manual = bool(jax.sharding.get_abstract_mesh().manual_axes)
     chosen = resolve(kernel, backend=backend, seq_len=q_bthk.shape[1],
-                     dtype=q_bthk.dtype, head_dim=q_bthk.shape[-1])
+                     dtype=q_bthk.dtype, head_dim=q_bthk.shape[-1], manual=manual)
     if chosen == "chunked":
         return chunked_attention(q_bthk, k_bsgk, v_bsgk, causal=causal,
                                  segment_ids=segment_ids, block_q=chunk, block_k=chunk)
