@@ -75,6 +75,7 @@ class Geometry:
     seq_len: int
     sequence_parallel: bool
     param_bytes: int = PARAM_BYTES
+    act_bytes: int = ACT_BYTES  # activations travel in the compute dtype
 
     def n(self, axis: str) -> int:
         return self.sizes.get(axis, 1)
@@ -89,8 +90,8 @@ class Geometry:
 
     @property
     def act(self) -> Fraction:
-        """``a``: one (b, s, d) fp32 activation on one device."""
-        return self.local_batch * self.local_seq * self.model.d_model * ACT_BYTES
+        """``a``: one (b, s, d) activation on one device, in the compute dtype."""
+        return self.local_batch * self.local_seq * self.model.d_model * self.act_bytes
 
     @property
     def params_tensor_split(self) -> Fraction:
@@ -126,10 +127,11 @@ def param_counts(model: ModelConfig) -> ParamCounts:
                        Fraction(model.moe_top_k, experts) if experts else Fraction(1))
 
 
-def geometry(config: Config, sizes: Mapping[str, int], param_bytes: int = PARAM_BYTES) -> Geometry:
+def geometry(config: Config, sizes: Mapping[str, int], param_bytes: int = PARAM_BYTES,
+             act_bytes: int = ACT_BYTES) -> Geometry:
     """The formulas' inputs for ``config`` on a mesh with resolved degrees ``sizes``."""
     return Geometry(config.model, dict(sizes), config.train.batch_size, config.train.seq_len,
-                    config.mesh.sequence_parallel, param_bytes)
+                    config.mesh.sequence_parallel, param_bytes, act_bytes)
 
 
 def _ring(kind: str, n: int, nbytes: Fraction) -> Fraction:
@@ -249,7 +251,7 @@ def sequence_terms(g: Geometry) -> list[Term]:
     s = g.n("sequence")
     if s == 1:
         return []
-    kv = g.local_batch * g.seq_len * Fraction(g.model.d_model, g.n("tensor")) * ACT_BYTES
+    kv = g.local_batch * g.seq_len * Fraction(g.model.d_model, g.n("tensor")) * g.act_bytes
     layers, ax = g.model.num_layers, ["sequence"]
     return [
         _term("K/V all-gather", ax, "all-gather", s, kv, 2 * layers, "2 L x (S-1)/S b T d/t 4"),
@@ -290,7 +292,7 @@ def moe_buffer(g: Geometry) -> Fraction:
     sequence): the tokens an MoE layer dispatches to its experts."""
     m = g.model
     slots = capacity(g.seq_len, m.num_experts, m.moe_top_k, m.moe_capacity_factor)
-    return g.local_batch * m.num_experts * slots * m.d_model * ACT_BYTES
+    return g.local_batch * m.num_experts * slots * m.d_model * g.act_bytes
 
 
 def expert_terms(g: Geometry) -> list[Term]:
@@ -305,10 +307,10 @@ def expert_terms(g: Geometry) -> list[Term]:
 
 
 def comm_terms(config: Config, sizes: Mapping[str, int], param_bytes: int = PARAM_BYTES,
-               gather_bytes: int | None = None) -> list[Term]:
+               gather_bytes: int | None = None, act_bytes: int = ACT_BYTES) -> list[Term]:
     """Every expected collective pattern of one training step of ``config``
-    (``gather_bytes``: see ``fsdp_terms``)."""
-    g = geometry(config, sizes, param_bytes)
+    (``gather_bytes``: see ``fsdp_terms``; ``act_bytes``: the compute dtype's size)."""
+    g = geometry(config, sizes, param_bytes, act_bytes)
     regather = config.mesh.reshard_after_forward and tensor.gathers_by_hand(config, sizes)
     return [*fsdp_terms(g, regather, gather_bytes), *replica_terms(g), *tensor_terms(g),
             *context_terms(g, config.attention.context_parallel),
