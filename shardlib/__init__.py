@@ -23,9 +23,12 @@ from shardlib.parallel.context import sequence_attention
 from shardlib.planner import plan
 from shardlib.reshard import reshard, reshard_cost
 from shardlib.run.loop import TrainResult, train
+from shardlib.target import quiet_libtpu
 from shardlib.train.generate import generate
 from shardlib.train.state import TrainSetup, TrainState, build_setup, init_state, param_table
 from shardlib.train.step import make_eval_step, make_train_step
+
+quiet_libtpu()  # before JAX starts its backends: no libtpu warnings on a host without TPUs
 
 __version__ = "0.1.0"
 
