@@ -13,3 +13,20 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 NUM_DEVICES = 8
+
+# The contract tests (``pytest -m contract``): every strategy trains like one device, and
+# its memory, bytes, checkpoint resume and guardrails hold. CI runs them on the newest jax
+# too (.ci/run's second leg), so this list is what that leg covers.
+CONTRACT_FILES = frozenset({
+    "test_equivalence.py", "test_fsdp_memory.py", "test_comm_contracts.py",
+    "test_checkpoint.py", "test_guardrails.py",
+})
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Mark every test of a ``CONTRACT_FILES`` module ``contract``."""
+    import pytest
+
+    for item in items:
+        if item.path.name in CONTRACT_FILES:
+            item.add_marker(pytest.mark.contract)
