@@ -16,7 +16,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent / "shardlib"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("floor", ("errors", "config", "mesh", "hooks", "sharding", "precision", "units")),
+    ("floor", ("errors", "config", "config_check", "mesh", "hooks", "sharding", "precision",
+               "units")),
     ("primitives", ("collectives", "reshard", "distributed", "launch", "accelerator")),
     ("models", ("models",)),
     ("parallel", ("parallel",)),

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import warnings
 from collections.abc import Sequence
 
 from shardlib.cli.defaults import DEFAULT_CPU_DEVICES
-from shardlib.config import Config, TrainConfig, apply_overrides, parse_mesh
-from shardlib.errors import ShardlibError
+from shardlib.config import Config, apply_overrides, parse_mesh
+from shardlib.config_check import check_ranges
+from shardlib.errors import ConfigError, ShardlibError
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +27,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         "(unnamed axes are 1; one may be -1), or auto (the planner "
                         "picks). Default: data=-1")
     parser.add_argument("--model", default="small", help="preset: tiny, small, medium, gpt2-small, "
-                        "moe-tiny")
+                        "moe-tiny, 7b (7b: for plan and inspect; too big to train on a CPU)")
     parser.add_argument("--batch-size", type=int, help="global batch size, in sequences")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence")
     parser.add_argument("--seed", type=int, help="seed for init and data order")
@@ -186,20 +188,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
             part = dataclasses.replace(getattr(config, section), **{field: value})
             config = dataclasses.replace(config, **{section: part})
     config = apply_overrides(config, args.overrides)
-    check_train_config(config.train)
+    check_ranges(config, {f"{section}.{field}": "--" + flag.replace("_", "-")
+                          for flag, (section, field) in FLAG_FIELDS.items()})
     if args.command == "train":
         from shardlib.cli.data import fit_vocab
         config = fit_vocab(config, args.overrides, quiet=bool(args.process_id))
     return config
-
-
-def check_train_config(tc: TrainConfig) -> None:
-    """Raise ``ShardlibError`` for train settings the flags cannot express."""
-    for name in ("steps", "batch_size", "seq_len", "log_every"):
-        if getattr(tc, name) < 1:
-            raise ShardlibError(f"--{name.replace('_', '-')} {getattr(tc, name)}: must be >= 1")
-    if tc.eval_every < 0:
-        raise ShardlibError(f"--eval-every {tc.eval_every}: must be >= 0 (0 disables eval)")
 
 
 def setup_devices(count: int | None, processes: int = 1):
@@ -211,6 +205,9 @@ def setup_devices(count: int | None, processes: int = 1):
     from shardlib.distributed import cpu_devices_per_process
     from shardlib.mesh import has_accelerator, select_devices, simulate_cpu_devices
 
+    if count is not None and count < 1:
+        raise ConfigError(f"--devices {count}: must be >= 1 (leave it out for every device, "
+                          f"or {DEFAULT_CPU_DEVICES} simulated CPU devices)")
     for flag in apply_gpu_flags():  # before JAX starts; nothing unless a GPU will be used
         print(f"XLA_FLAGS += {flag}")
     if processes > 1:
@@ -236,9 +233,6 @@ def run_train(args: argparse.Namespace) -> int:
     from shardlib.run.loop import train
 
     config = config_from_args(args)
-    if config.model.max_seq_len < config.train.seq_len and config.model.pos_embedding == "learned":
-        raise ShardlibError(f"--seq-len {config.train.seq_len}: exceeds model.max_seq_len="
-                            f"{config.model.max_seq_len}; shorten it or raise model.max_seq_len")
     check_checkpoint_flags(args, config)
     processes = start_processes(args)
     devices = setup_devices(args.devices, processes)
@@ -354,10 +348,29 @@ def _format_warning(message, category, filename, lineno, line=None) -> str:
     return f"shardlib: warning: {message}\n"
 
 
+NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.IGNORECASE)
+
+
+def join_negative_values(argv: Sequence[str]) -> list[str]:
+    """``--lr -1e-3`` -> ``--lr=-1e-3``: argparse takes a negative number in scientific
+    notation for a flag; joined to the flag before it, it is that flag's value."""
+    out: list[str] = []
+    for index, arg in enumerate(argv):
+        if arg == "--":  # the rest belongs to another command (launch -- train ...)
+            return out + list(argv[index:])
+        if out and NEGATIVE_NUMBER.fullmatch(arg) and out[-1].startswith("--") \
+                and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``shardlib`` entry point: the subcommand's exit code; 2 with one clear message on
     bad input, 130 on Ctrl-C."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(join_negative_values(argv))
     warnings.formatwarning = _format_warning
     try:
         return COMMANDS[args.command](args)

@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardlib import sharding
 from shardlib.config import CommConfig, Config, OptimConfig
+from shardlib.config_check import check_ranges
 from shardlib.errors import ConfigError
 from shardlib.mesh import MESH_AXES, make_mesh, resolve_degrees
 from shardlib.models import GPT, check_model
@@ -121,6 +122,7 @@ def named_tree(specs: nnx.State, mesh: Mesh) -> nnx.State:
 
 def build_setup(config: Config, devices: list[jax.Device] | None = None) -> TrainSetup:
     """Mesh, rules and every sharding, validated before any array is allocated."""
+    check_ranges(config)
     check_model(config.model)
     policy = resolve_policy(config.precision)
     devices = list(jax.devices() if devices is None else devices)
