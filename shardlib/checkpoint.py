@@ -20,6 +20,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import tempfile
 import threading
 import warnings
@@ -82,6 +83,16 @@ def incomplete_steps(directory: Path) -> list[int]:
     return sorted({int(match.group(1)) for match in matches if match})
 
 
+def remove_incomplete(directory: Path) -> None:
+    """Delete the temp folders of saves that never finished (process 0; the others wait
+    for it at orbax's first save barrier)."""
+    if jax.process_index() != 0:
+        return
+    for entry in directory.iterdir():
+        if entry.is_dir() and _TMP_DIR.match(entry.name):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
 def host_copy(state: Any) -> Any:
     """Every array copied where the next (donating) step cannot touch it: to pinned host
     memory (a device copy where there is none), dispatched asynchronously. The next step
@@ -128,6 +139,9 @@ class Checkpointer:
         for step in incomplete_steps(self.directory):
             _warn(f"checkpoint step {step} in {self.directory} was never finished (killed "
                   "mid-save?); skipping it")
+        if not read_only:
+            remove_incomplete(self.directory)
+        self._closed = False
         self._manager = ocp.CheckpointManager(
             self.directory,
             # zstd would save ~1% on trained float weights for twice the writer's CPU time
@@ -137,7 +151,9 @@ class Checkpointer:
             options=ocp.CheckpointManagerOptions(
                 # read_only: orbax's own flag only logs warnings; this writes nothing either
                 max_to_keep=None if read_only else keep, create=False,
-                cleanup_tmp_directories=not read_only,  # after the warning above
+                # done above, before returning: orbax's own cleanup runs on a thread that
+                # its close() does not wait for (at exit it dies with a traceback)
+                cleanup_tmp_directories=False,
                 async_options=ocp.AsyncOptions(post_finalization_callback=self._write_file_list),
             ),
         )
@@ -215,7 +231,10 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Wait for pending saves and release the manager."""
+        """Wait for pending saves and release the manager (a second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         self._join()
         if self._worker is not None:
             self._jobs.put(None)
@@ -326,9 +345,11 @@ class Checkpointer:
                   "(NaN/inf); falling back to an older checkpoint")
             damaged.append(step)
         if damaged:
+            folders = " ".join(str(self.directory / str(step)) for step in damaged)
             raise CheckpointError(f"{self.directory}: every checkpoint is damaged or holds "
                                   f"non-finite values (steps {', '.join(map(str, damaged))}); "
-                                  "start without --resume")
+                                  f"move those step folders out of it ({folders}) to start "
+                                  "over there, or pick an empty --checkpoint-dir")
         return None
 
     def resolve_step(self, step: int | None) -> int:
@@ -398,6 +419,7 @@ def open_for_training(cfg: CheckpointConfig) -> Checkpointer | None:
     checkpointer = Checkpointer(cfg.dir, keep=cfg.keep, every=cfg.every)
     steps = checkpointer.steps()
     if steps and not cfg.resume:
+        checkpointer.close()
         raise CheckpointError(f"--checkpoint-dir {cfg.dir}: already holds checkpoints (steps "
                               f"{', '.join(map(str, steps))}); pass --resume to continue from "
                               f"step {steps[-1]}, or pick an empty directory")
