@@ -27,3 +27,8 @@ class DamagedCheckpointError(CheckpointError):
 
 class DistributedError(ShardlibError):
     """A multi-process run cannot start: a bad coordinator, or processes that never join."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived where a run cannot stop at a step boundary (start-up): it unwinds
+    like Ctrl-C, so what was started is closed; the CLI exits with 143 (128 + SIGTERM)."""

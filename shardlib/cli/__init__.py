@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from shardlib.cli.defaults import DEFAULT_CPU_DEVICES
 from shardlib.config import Config, apply_overrides, parse_mesh
 from shardlib.config_check import check_ranges
-from shardlib.errors import ConfigError, ShardlibError
+from shardlib.errors import ConfigError, ShardlibError, Terminated
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -229,7 +229,7 @@ def start_processes(args: argparse.Namespace) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     """``shardlib train``: build the config, set up devices, train, print the summary."""
-    from shardlib.reporting import ConsoleReporter, MetricsFile, Reporters
+    from shardlib.reporting import ConsoleReporter, MetricsFile, Reporters, close
     from shardlib.run.loop import train
 
     config = config_from_args(args)
@@ -242,7 +242,10 @@ def run_train(args: argparse.Namespace) -> int:
     if args.process_log_dir:
         from shardlib.distributed import ProcessLog
         reporters.append(ProcessLog(args.process_log_dir))
-    result = train(config, devices=devices, reporter=Reporters(*reporters))
+    try:
+        result = train(config, devices=devices, reporter=Reporters(*reporters))
+    finally:
+        close(Reporters(*reporters))  # also when train() fails before it starts them
     if result.halt_message:  # docs/when-runs-go-wrong.md
         print(f"shardlib train: error: {result.halt_message}", file=sys.stderr, flush=True)
         return NONFINITE_EXIT_STATUS
@@ -256,6 +259,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 NONFINITE_EXIT_STATUS = 4  # a non-finite loss halted the run (a hang exits 3)
+TERMINATED_EXIT_STATUS = 143  # SIGTERM before the loop could save and stop (128 + 15)
 
 
 def check_checkpoint_flags(args: argparse.Namespace, config: Config) -> None:
@@ -368,7 +372,7 @@ def join_negative_values(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``shardlib`` entry point: the subcommand's exit code; 2 with one clear message on
-    bad input, 130 on Ctrl-C."""
+    bad input, 130 on Ctrl-C, 143 on a SIGTERM the loop could not take (start-up)."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(join_negative_values(argv))
     warnings.formatwarning = _format_warning
@@ -377,6 +381,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ShardlibError as err:
         print(f"shardlib {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"shardlib {args.command}: terminated by SIGTERM (what had started is closed)",
+              file=sys.stderr)
+        return TERMINATED_EXIT_STATUS
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
