@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -224,3 +225,43 @@ def test_readme_activates_the_venv_before_bare_commands():
 def test_the_plan_cache_folder_is_documented():
     page = (ROOT / "docs" / "how-to" / "planner.md").read_text()
     assert "~/.cache/shardlib" in page and "SHARDLIB_CACHE" in page
+
+
+def test_resume_with_other_steps_says_how_the_schedule_changes(tmp_path, monkeypatch):
+    """--steps is the length of the warm-up + cosine schedule: a resume that changes it
+    reshapes the lr from the next step on, and says so (with both values)."""
+    import jax
+    import jax.numpy as jnp
+
+    from shardlib.checkpoint import Checkpointer
+    from shardlib.config import CheckpointConfig, MeshConfig
+    from shardlib.run import loop
+    from shardlib.train.state import build_setup, init_state, lr_schedule
+    from tests.helpers import tiny_config
+
+    config = tiny_config(MeshConfig(), steps=10)
+    setup = build_setup(config)
+    state = init_state(setup, 0)
+    state = dataclasses.replace(state, step=jax.device_put(jnp.int32(4), state.step.sharding))
+    writer = Checkpointer(tmp_path / "ckpt")
+    writer.save(4, state, config, wait=True)
+    writer.close()
+
+    def stop(*args, **kwargs):  # once the state is restored: nothing more is needed
+        raise KeyboardInterrupt
+    monkeypatch.setattr(loop, "_loader", stop)
+    said = {}
+    for steps in (10, 20):
+        resumed = dataclasses.replace(
+            config, train=dataclasses.replace(config.train, steps=steps),
+            checkpoint=CheckpointConfig(dir=str(tmp_path / "ckpt"), resume=True))
+        with warnings.catch_warnings(record=True) as caught, pytest.raises(KeyboardInterrupt):
+            warnings.simplefilter("always")
+            loop.train(resumed)
+        said[steps] = [str(w.message) for w in caught if "--resume with" in str(w.message)]
+    assert said[10] == []
+    (line,) = said[20]
+    old, new = (float(lr_schedule(config.optim, n)(4)) for n in (10, 20))
+    assert old != new
+    assert (f"lr of step 5 becomes {new:.3g} (that run's: {old:.3g}); pass --steps 10"
+            in line), line
