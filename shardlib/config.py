@@ -147,6 +147,9 @@ class TrainConfig:
     # dump stacks, exit non-zero. -1: max(300 s, 20 x the median step); 0: off
     on_nonfinite: str = "halt"  # non-finite loss/grad norm: halt | skip (keep state, count)
     max_skipped: int = 10  # skip: halt after this many non-finite steps in a row
+    # JAX's persistent compilation cache (shardlib.run.compile_cache): "" = the default
+    # folder, $SHARDLIB_COMPILE_CACHE or ~/.cache/shardlib/jax; "off"; or a folder
+    compile_cache: str = ""
 
 
 @dataclass(frozen=True)

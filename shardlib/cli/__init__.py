@@ -48,6 +48,15 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remat", choices=("none", "full", "dots"),
                         help="recompute layers in the backward pass: none, full, or keep only "
                         "matmul outputs (dots)")
+    add_compile_cache_flag(parser)
+
+
+def add_compile_cache_flag(parser: argparse.ArgumentParser) -> None:
+    """``--compile-cache``: where JAX keeps compiled programs between runs."""
+    parser.add_argument("--compile-cache", metavar="DIR|off", help="JAX's persistent "
+                        "compilation cache: a second start skips most of its compile "
+                        "(default $SHARDLIB_COMPILE_CACHE, else ~/.cache/shardlib/jax; off: "
+                        "none)")
 
 
 def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +104,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--mesh", default="", help="axis degrees, e.g. fsdp=4,tensor=2 "
                      "(default: data=-1)")
     gen.add_argument("--devices", type=int, help="simulate N CPU devices")
+    add_compile_cache_flag(gen)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,6 +176,7 @@ FLAG_FIELDS = {  # CLI flag (argparse dest) -> (config section, field)
     "keep": ("checkpoint", "keep"), "resume": ("checkpoint", "resume"),
     "tokenizer": ("data", "tokenizer"),
     "hang_timeout": ("train", "hang_timeout_s"), "on_nonfinite": ("train", "on_nonfinite"),
+    "compile_cache": ("train", "compile_cache"),
 }
 
 
@@ -304,9 +315,12 @@ def run_inspect(args: argparse.Namespace) -> int:
     import json
 
     from shardlib.inspect import analyze, render, to_json
+    from shardlib.run.compile_cache import enable as enable_compile_cache
 
     config = config_from_args(args)
-    inspection = analyze(config, setup_devices(args.devices))
+    devices = setup_devices(args.devices)
+    enable_compile_cache(config.train.compile_cache)
+    inspection = analyze(config, devices)
     if args.json:
         print(json.dumps(to_json(inspection)), flush=True)
     else:
@@ -338,8 +352,11 @@ def run_tokenizer(args: argparse.Namespace) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     """``shardlib generate``: continue a prompt with KV-cache decoding."""
     from shardlib.cli.generate import run_generate as generate
+    from shardlib.run.compile_cache import enable as enable_compile_cache
 
-    return generate(args, setup_devices(args.devices))
+    devices = setup_devices(args.devices)
+    enable_compile_cache(args.compile_cache or "")
+    return generate(args, devices)
 
 
 COMMANDS = {"train": run_train, "inspect": run_inspect, "export": run_export,

@@ -25,7 +25,7 @@ from shardlib.config import Config
 from shardlib.interop.hf import pretrained_state
 from shardlib.models import count_params
 from shardlib.reporting import NullReporter, Reporter
-from shardlib.run import goodput, signals, startup, watchdog
+from shardlib.run import compile_cache, goodput, signals, startup, watchdog
 from shardlib.run.guards import Guards
 from shardlib.train import comm, nonfinite
 from shardlib.train.comm_policy import Adaptive
@@ -78,8 +78,10 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
     end, resumes with ``checkpoint.resume``, and on SIGTERM/SIGINT saves and stops early.
     Every config and data problem is found before anything starts (``startup.preflight``);
     what start-up opens is closed on every way out, SIGTERM during start-up included.
+    Compiled programs are kept in JAX's persistent cache (``train.compile_cache``).
     """
     timeline = goodput.Timeline()
+    compile_cache.enable(config.train.compile_cache)  # before the first compile
     with signals.sigterm_raises(), contextlib.ExitStack() as exits:
         config, source, setup = startup.preflight(config, devices)
         run = _open(setup, source, state, reporter, timeline, exits)
