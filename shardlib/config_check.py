@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 from shardlib.config import Config
 from shardlib.errors import ConfigError
@@ -76,7 +77,7 @@ def check_ranges(config: Config, flags: dict[str, str] | None = None) -> None:
     for section, rules in RANGES.items():
         for name, rule in rules.items():
             value = getattr(getattr(config, section), name)
-            number = isinstance(value, int | float) and not isinstance(value, bool)
+            number = isinstance(value, numbers.Real) and not isinstance(value, bool)
             if number and in_range(value, rule):
                 continue
             head, where = _named(f"{section}.{name}", value, flags)
