@@ -49,17 +49,19 @@ def _warn(message: str) -> None:
     warnings.warn(message, CheckpointWarning, stacklevel=3)
 
 
-def check_path(path: str | os.PathLike) -> Path:
-    """The directory as an absolute path, checked without creating or writing anything:
-    a directory, or a missing one whose parent exists; writable. CheckpointError if not."""
+def check_path(path: str | os.PathLike, *, must_exist: bool = False) -> Path:
+    """The directory as an absolute path, checked without creating or writing anything: a
+    writable directory, or a missing one whose parent exists (unless ``must_exist``)."""
     directory = Path(path).expanduser().absolute()
     flag = f"--checkpoint-dir {path}"
     if directory.exists() and not directory.is_dir():
         raise CheckpointError(f"{flag}: exists and is not a directory; pass a directory path")
-    if not directory.exists() and not directory.parent.is_dir():
-        raise CheckpointError(f"{flag}: parent directory {directory.parent} does not exist; "
+    if not directory.exists() and (must_exist or not directory.parent.is_dir()):
+        raise CheckpointError(f"{flag}: no such directory" if must_exist else
+                              f"{flag}: parent directory {directory.parent} does not exist; "
                               "create it first or pick another path")
-    if not os.access(directory if directory.exists() else directory.parent, os.W_OK | os.X_OK):
+    where = directory if directory.exists() else directory.parent
+    if not must_exist and not os.access(where, os.W_OK | os.X_OK):
         raise CheckpointError(f"{flag}: not writable; fix its permissions or pick another "
                               "directory")
     return directory
@@ -68,21 +70,15 @@ def check_path(path: str | os.PathLike) -> Path:
 def check_directory(path: str | os.PathLike, *, create: bool = True) -> Path:
     """The directory as an absolute path; with ``create``, made if missing (its parent must
     exist) and probed with a real write. Raises CheckpointError before any training."""
-    flag = f"--checkpoint-dir {path}"
-    if not create:
-        directory = Path(path).expanduser().absolute()
-        if not directory.is_dir():
-            raise CheckpointError(f"{flag}: no such directory" if not directory.exists() else
-                                  f"{flag}: exists and is not a directory; pass a directory path")
-        return directory
-    directory = check_path(path)
-    try:
-        directory.mkdir(exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".shardlib-probe-"):
-            pass
-    except OSError as err:
-        raise CheckpointError(f"{flag}: not writable ({err.strerror}); fix its "
-                              "permissions or pick another directory") from None
+    directory = check_path(path, must_exist=not create)
+    if create:
+        try:
+            directory.mkdir(exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=directory, prefix=".shardlib-probe-"):
+                pass
+        except OSError as err:
+            raise CheckpointError(f"--checkpoint-dir {path}: not writable ({err.strerror}); "
+                                  "fix its permissions or pick another directory") from None
     return directory
 
 
