@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -112,7 +113,9 @@ def interrupt_start_up(monkeypatch, how: str) -> None:
 
     def stop_here(*args, **kwargs):
         if how == "sigterm":
-            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises at the next bytecode
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # the handler raises Terminated (a KeyboardInterrupt) first
+            raise AssertionError("SIGTERM did not interrupt the start-up")
         raise KeyboardInterrupt
     monkeypatch.setattr(loop, "_loader", stop_here)
     assert opened is not stop_here
