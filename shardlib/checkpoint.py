@@ -23,6 +23,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import tempfile
 import threading
 import warnings
@@ -52,31 +53,36 @@ def _warn(message: str) -> None:
     warnings.warn(message, CheckpointWarning, stacklevel=3)
 
 
-def check_directory(path: str | os.PathLike, *, create: bool = True) -> Path:
-    """The directory as an absolute path; with ``create``, made if missing (its parent must
-    exist) and probed with a real write. Raises CheckpointError before any training."""
+def check_path(path: str | os.PathLike, *, must_exist: bool = False) -> Path:
+    """The directory as an absolute path, checked without creating or writing anything: a
+    writable directory, or a missing one whose parent exists (unless ``must_exist``)."""
     directory = Path(path).expanduser().absolute()
     flag = f"--checkpoint-dir {path}"
     if directory.exists() and not directory.is_dir():
         raise CheckpointError(f"{flag}: exists and is not a directory; pass a directory path")
-    if not directory.exists():
-        if not create:
-            raise CheckpointError(f"{flag}: no such directory")
-        if not directory.parent.is_dir():
-            raise CheckpointError(f"{flag}: parent directory {directory.parent} does not exist; "
-                                  "create it first or pick another path")
-        try:
-            directory.mkdir(exist_ok=True)
-        except OSError as err:
-            raise CheckpointError(f"{flag}: cannot create it ({err.strerror}); "
-                                  "pick a writable location") from None
+    if not directory.exists() and (must_exist or not directory.parent.is_dir()):
+        raise CheckpointError(f"{flag}: no such directory" if must_exist else
+                              f"{flag}: parent directory {directory.parent} does not exist; "
+                              "create it first or pick another path")
+    where = directory if directory.exists() else directory.parent
+    if not must_exist and not os.access(where, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{flag}: not writable; fix its permissions or pick another "
+                              "directory")
+    return directory
+
+
+def check_directory(path: str | os.PathLike, *, create: bool = True) -> Path:
+    """The directory as an absolute path; with ``create``, made if missing (its parent must
+    exist) and probed with a real write. Raises CheckpointError before any training."""
+    directory = check_path(path, must_exist=not create)
     if create:
         try:
+            directory.mkdir(exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=directory, prefix=".shardlib-probe-"):
                 pass
         except OSError as err:
-            raise CheckpointError(f"{flag}: not writable ({err.strerror}); fix its "
-                                  "permissions or pick another directory") from None
+            raise CheckpointError(f"--checkpoint-dir {path}: not writable ({err.strerror}); "
+                                  "fix its permissions or pick another directory") from None
     return directory
 
 
@@ -84,6 +90,16 @@ def incomplete_steps(directory: Path) -> list[int]:
     """Steps whose save started but never finished: orbax temp folders, never renamed."""
     matches = (_TMP_DIR.match(entry.name) for entry in directory.iterdir() if entry.is_dir())
     return sorted({int(match.group(1)) for match in matches if match})
+
+
+def remove_incomplete(directory: Path) -> None:
+    """Delete the temp folders of saves that never finished (process 0; the others wait
+    for it at orbax's first save barrier)."""
+    if jax.process_index() != 0:
+        return
+    for entry in directory.iterdir():
+        if entry.is_dir() and _TMP_DIR.match(entry.name):
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def host_copy(state: Any) -> Any:
@@ -147,6 +163,9 @@ class Checkpointer:
         for step in incomplete_steps(self.directory):
             _warn(f"checkpoint step {step} in {self.directory} was never finished (killed "
                   "mid-save?); skipping it")
+        if not read_only:
+            remove_incomplete(self.directory)
+        self._closed = False
         self._manager = ocp.CheckpointManager(
             self.directory,
             # zstd would save ~1% on trained float weights for twice the writer's CPU time
@@ -156,7 +175,9 @@ class Checkpointer:
             options=ocp.CheckpointManagerOptions(
                 # read_only: orbax's own flag only logs warnings; this writes nothing either
                 max_to_keep=None if read_only else keep, create=False,
-                cleanup_tmp_directories=not read_only,  # after the warning above
+                # done above, before returning: orbax's own cleanup runs on a thread that
+                # its close() does not wait for (at exit it dies with a traceback)
+                cleanup_tmp_directories=False,
                 async_options=ocp.AsyncOptions(post_finalization_callback=self._write_file_list),
             ),
         )
@@ -236,7 +257,10 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        """Wait for pending saves and release the manager."""
+        """Wait for pending saves and release the manager (a second call does nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         self._join()
         if self._worker is not None:
             self._jobs.put(None)
@@ -348,9 +372,11 @@ class Checkpointer:
                   "(NaN/inf); falling back to an older checkpoint")
             damaged.append(step)
         if damaged:
+            folders = " ".join(str(self.directory / str(step)) for step in damaged)
             raise CheckpointError(f"{self.directory}: every checkpoint is damaged or holds "
                                   f"non-finite values (steps {', '.join(map(str, damaged))}); "
-                                  "start without --resume")
+                                  f"move those step folders out of it ({folders}) to start "
+                                  "over there, or pick an empty --checkpoint-dir")
         return None
 
     def resolve_step(self, step: int | None) -> int:
@@ -422,6 +448,7 @@ def open_for_training(cfg: CheckpointConfig) -> Checkpointer | None:
     checkpointer = Checkpointer(cfg.dir, keep=cfg.keep, every=cfg.every)
     steps = checkpointer.steps()
     if steps and not cfg.resume:
+        checkpointer.close()
         raise CheckpointError(f"--checkpoint-dir {cfg.dir}: already holds checkpoints (steps "
                               f"{', '.join(map(str, steps))}); pass --resume to continue from "
                               f"step {steps[-1]}, or pick an empty directory")

@@ -151,6 +151,9 @@ class TrainConfig:
     # on (after the checkpoint's position on --resume), past the batches that brought a NaN
     skip_batches: int = 0
     lr_scale_on_resume: float = 1.0  # a run that restores a checkpoint: lr schedule x this
+    # JAX's persistent compilation cache (shardlib.run.compile_cache): "" = the default
+    # folder, $SHARDLIB_COMPILE_CACHE or ~/.cache/shardlib/jax; "off"; or a folder
+    compile_cache: str = ""
 
 
 @dataclass(frozen=True)

@@ -284,5 +284,10 @@ class ProcessLog:
     def on_end(self, summary: dict[str, Any], sample: str) -> None:
         """Write the run's summary to this process's log."""
         self.write("summary " + ", ".join(f"{k}={v}" for k, v in summary.items()))
+        self.close()
+
+    def close(self) -> None:
+        """Stop taking library warnings and close the file (a second call does nothing)."""
         logging.getLogger().removeHandler(self.handler)
-        self.file.close()
+        if not self.file.closed:
+            self.file.close()

@@ -36,3 +36,8 @@ class OutOfMemoryError(ShardlibError):
                  available_bytes: int | None = None):
         super().__init__(message)
         self.required_bytes, self.available_bytes = required_bytes, available_bytes
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived where a run cannot stop at a step boundary (start-up): it unwinds
+    like Ctrl-C, so what was started is closed; the CLI exits with 143 (128 + SIGTERM)."""

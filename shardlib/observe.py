@@ -165,13 +165,14 @@ class TensorBoardReporter:
     process 0 only. ``tensorboard --logdir DIR`` shows them."""
 
     def __init__(self, log_dir: str):
-        from tensorboardX import SummaryWriter
-
         self.log_dir = log_dir
-        self.writer = SummaryWriter(log_dir) if jax.process_index() == 0 else None
+        self.writer: Any = None  # opened by on_start: a run that fails its checks writes none
 
     def on_start(self, setup: Any, info: dict[str, Any]) -> None:
-        if self.writer is not None:
+        from tensorboardX import SummaryWriter
+
+        if jax.process_index() == 0:
+            self.writer = SummaryWriter(self.log_dir)
             model = setup.config.model
             self.writer.add_text("run", f"model {model.name}: {info['params']:,} parameters, "
                                         f"mesh {dict(setup.mesh.shape)}")
@@ -194,7 +195,13 @@ class TensorBoardReporter:
         self.writer.add_text("summary", "\n\n".join(lines))
         for bucket, share in fractions(summary.get("time_breakdown_s") or {}).items():
             self.writer.add_scalar(f"goodput/{bucket}", share, summary.get("steps", 0))
-        self.writer.close()
+        self.close()
+
+    def close(self) -> None:
+        """Flush and close the writer (its thread ends)."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
 
 def read_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:

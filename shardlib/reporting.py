@@ -26,10 +26,20 @@ from shardlib.units import format_bytes
 
 
 class Reporter(Protocol):
-    """What the train loop tells about a run: its start, each synced batch of rows, its end."""
+    """What the train loop tells about a run: its start, each synced batch of rows, its end.
+    A reporter that holds files or threads also has ``close()``: ``train`` calls it on
+    every way out (after ``on_end``, or instead of it when the run fails)."""
     def on_start(self, setup: TrainSetup, info: dict[str, Any]) -> None: ...
     def on_steps(self, rows: list[dict[str, Any]]) -> None: ...
     def on_end(self, summary: dict[str, Any], sample: str) -> None: ...
+
+
+def close(reporter: Reporter) -> None:
+    """Release what ``reporter`` holds (a writer thread, a file, a live progress bar);
+    one without a ``close`` method holds nothing."""
+    release = getattr(reporter, "close", None)
+    if release is not None:
+        release()
 
 
 class NullReporter:
@@ -121,8 +131,7 @@ class ConsoleReporter:
         """Print the summary table and the sample."""
         if jax.process_index() != 0:
             return
-        if self.progress is not None:
-            self.progress.stop()
+        self.close()
         table = Table(title="Summary", title_justify="left", show_header=False)
         for key, value in summary.items():
             table.add_row(key, summary_value(key, value))
@@ -130,6 +139,13 @@ class ConsoleReporter:
         if sample:
             self.console.print("sample:", style="bold")
             print(sample, flush=True)
+
+
+    def close(self) -> None:
+        """Stop the progress bar's refresh thread (a run that failed after its start)."""
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
 
 
 class MetricsFile:
@@ -140,10 +156,12 @@ class MetricsFile:
         self.path = Path(path)
         if not self.path.parent.exists():
             raise ConfigError(f"--metrics-file {path}: directory {self.path.parent} does not exist")
+
+    def on_start(self, setup: TrainSetup, info: dict[str, Any]) -> None:
+        """Start the file empty: only once the run has started (a run that fails its
+        checks leaves an older file as it was)."""
         if jax.process_index() == 0:
             self.path.write_text("")
-
-    def on_start(self, setup: TrainSetup, info: dict[str, Any]) -> None: ...
 
     def on_steps(self, rows: list[dict[str, Any]]) -> None:
         if jax.process_index() != 0:
@@ -175,4 +193,8 @@ class Reporters:
     def on_end(self, summary: dict[str, Any], sample: str) -> None:
         for r in self.reporters:
             r.on_end(summary, sample)
+
+    def close(self) -> None:
+        for r in self.reporters:
+            close(r)
 

@@ -7,6 +7,10 @@ computation, so the CPU backend starts with 8 devices.
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No persistent compilation cache: tests neither read a user's cache nor write into it
+# (subprocesses inherit this); tests of the cache pass their own folder.
+os.environ["SHARDLIB_COMPILE_CACHE"] = "off"
+os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
 
 import jax  # noqa: E402
 

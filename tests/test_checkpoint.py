@@ -94,7 +94,7 @@ def test_saves_handed_over_after_the_next_dispatch_hold_their_steps(reference, t
     reference run's, and so are the losses."""
     from shardlib.run import loop
 
-    def ready_at_once(setup, state, batch, checkpointer):
+    def ready_at_once(setup, state, batch, checkpointer, exits):
         step_fn = make_train_step(setup, donate=False).lower(state, batch).compile()
         return lambda: step_fn
 

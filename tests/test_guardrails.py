@@ -36,6 +36,7 @@ from shardlib.cli import NONFINITE_EXIT_STATUS, main
 from shardlib.config import CheckpointConfig, CommConfig, MeshConfig
 from shardlib.errors import ConfigError
 from shardlib.observe import read_scalars
+from shardlib.reporting import NullReporter
 from shardlib.run import evaluation, resume, watchdog
 from shardlib.run.goodput import PROGRESS_FILE, Timeline, fractions
 from shardlib.run.loop import train
@@ -330,11 +331,15 @@ def test_timeline_nests_phases_exclusively():
 def test_stuck_step_is_reported_with_stacks(monkeypatch):
     """A step whose main thread never comes back (the test hook): after --hang-timeout
     the watchdog reports it with every thread's stack (here the report releases it)."""
-    reports = []
+    reports, logged = [], []
 
     def record(report: watchdog.Report) -> None:
-        reports.append(report)
+        reports.append((report, [row["step"] for row in logged]))
         watchdog._stall_release.set()
+
+    class Rows(NullReporter):
+        def on_steps(self, rows: list) -> None:
+            logged.extend(rows)
 
     monkeypatch.setattr(watchdog, "exit_on_hang", record)
     monkeypatch.setenv(watchdog.STALL_ENV, "3")
@@ -345,14 +350,16 @@ def test_stuck_step_is_reported_with_stacks(monkeypatch):
     safety = threading.Timer(300, watchdog._stall_release.set)  # never hang the suite
     safety.start()
     try:
-        result = train(config)
+        result = train(config, reporter=Rows())
     finally:
         safety.cancel()
     assert len(reports) == 1
-    line = reports[0].line
+    (report, logged_then) = reports[0]
+    line = report.line
+    assert logged_then == [1, 2]  # step 3 never came back
     assert re.search(r"^hang: no step finished for \d+ s \(--hang-timeout 2.5\); process 0 "
-                     r"last finished step 3 and is in phase 'step' on the host", line), line
-    assert "Thread MainThread" in reports[0].stacks and "in dispatched" in reports[0].stacks
+                     r"last finished step 2 and is in phase 'step' on the host", line), line
+    assert "Thread MainThread" in report.stacks and "in dispatched" in report.stacks
     assert result.history[-1]["step"] == 4  # released, the run went on
 
 

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent / "shardlib"
 LAYOUT_PAGE = ROOT.parent / "docs" / "reference" / "layout.md"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("floor", ("errors", "config", "mesh", "hooks", "sharding", "precision", "units")),
+    ("floor", ("errors", "config", "config_check", "mesh", "hooks", "sharding", "precision",
+               "units")),
     ("primitives", ("collectives", "reshard", "distributed", "launch", "accelerator",
                     "target_gpu", "target")),
     ("models", ("models",)),

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import sys
 import warnings
 from collections.abc import Sequence
 
 from shardlib.cli.defaults import DEFAULT_CPU_DEVICES
-from shardlib.config import Config, TrainConfig, apply_overrides, parse_mesh
-from shardlib.errors import ShardlibError
+from shardlib.config import Config, apply_overrides, parse_mesh
+from shardlib.config_check import check_ranges
+from shardlib.errors import ConfigError, ShardlibError, Terminated
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +27,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         "(unnamed axes are 1; one may be -1), or auto (the planner "
                         "picks). Default: data=-1")
     parser.add_argument("--model", default="small", help="preset: tiny, small, medium, gpt2-small, "
-                        "moe-tiny")
+                        "moe-tiny, 7b (7b: for plan and inspect; too big to train on a CPU)")
     parser.add_argument("--batch-size", type=int, help="global batch size, in sequences")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence")
     parser.add_argument("--seed", type=int, help="seed for init and data order")
@@ -46,6 +48,15 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remat", choices=("none", "full", "dots"),
                         help="recompute layers in the backward pass: none, full, or keep only "
                         "matmul outputs (dots)")
+    add_compile_cache_flag(parser)
+
+
+def add_compile_cache_flag(parser: argparse.ArgumentParser) -> None:
+    """``--compile-cache``: where JAX keeps compiled programs between runs."""
+    parser.add_argument("--compile-cache", metavar="DIR|off", help="JAX's persistent "
+                        "compilation cache: a second start skips most of its compile "
+                        "(default $SHARDLIB_COMPILE_CACHE, else ~/.cache/shardlib/jax; off: "
+                        "none)")
 
 
 def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +104,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--mesh", default="", help="axis degrees, e.g. fsdp=4,tensor=2 "
                      "(default: data=-1)")
     gen.add_argument("--devices", type=int, help="simulate N CPU devices")
+    add_compile_cache_flag(gen)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -173,6 +185,7 @@ FLAG_FIELDS = {  # CLI flag (argparse dest) -> (config section, field)
     "hang_timeout": ("train", "hang_timeout_s"), "on_nonfinite": ("train", "on_nonfinite"),
     "skip_batches": ("train", "skip_batches"),
     "lr_scale_on_resume": ("train", "lr_scale_on_resume"),
+    "compile_cache": ("train", "compile_cache"),
 }
 
 
@@ -195,20 +208,12 @@ def config_from_args(args: argparse.Namespace) -> Config:
             part = dataclasses.replace(getattr(config, section), **{field: value})
             config = dataclasses.replace(config, **{section: part})
     config = apply_overrides(config, args.overrides)
-    check_train_config(config.train)
+    check_ranges(config, {f"{section}.{field}": "--" + flag.replace("_", "-")
+                          for flag, (section, field) in FLAG_FIELDS.items()})
     if args.command == "train":
         from shardlib.cli.data import fit_vocab
         config = fit_vocab(config, args.overrides, quiet=bool(args.process_id))
     return config
-
-
-def check_train_config(tc: TrainConfig) -> None:
-    """Raise ``ShardlibError`` for train settings the flags cannot express."""
-    for name in ("steps", "batch_size", "seq_len", "log_every"):
-        if getattr(tc, name) < 1:
-            raise ShardlibError(f"--{name.replace('_', '-')} {getattr(tc, name)}: must be >= 1")
-    if tc.eval_every < 0:
-        raise ShardlibError(f"--eval-every {tc.eval_every}: must be >= 0 (0 disables eval)")
 
 
 def setup_devices(count: int | None, processes: int = 1):
@@ -220,6 +225,9 @@ def setup_devices(count: int | None, processes: int = 1):
     from shardlib.distributed import cpu_devices_per_process
     from shardlib.mesh import has_accelerator, select_devices, simulate_cpu_devices
 
+    if count is not None and count < 1:
+        raise ConfigError(f"--devices {count}: must be >= 1 (leave it out for every device, "
+                          f"or {DEFAULT_CPU_DEVICES} simulated CPU devices)")
     for flag in apply_gpu_flags():  # before JAX starts; nothing unless a GPU will be used
         print(f"XLA_FLAGS += {flag}")
     if processes > 1:
@@ -241,13 +249,10 @@ def start_processes(args: argparse.Namespace) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     """``shardlib train``: build the config, set up devices, train, print the summary."""
-    from shardlib.reporting import ConsoleReporter, MetricsFile, Reporters
+    from shardlib.reporting import ConsoleReporter, MetricsFile, Reporters, close
     from shardlib.run.loop import train
 
     config = config_from_args(args)
-    if config.model.max_seq_len < config.train.seq_len and config.model.pos_embedding == "learned":
-        raise ShardlibError(f"--seq-len {config.train.seq_len}: exceeds model.max_seq_len="
-                            f"{config.model.max_seq_len}; shorten it or raise model.max_seq_len")
     check_checkpoint_flags(args, config)
     processes = start_processes(args)
     devices = setup_devices(args.devices, processes)
@@ -257,7 +262,10 @@ def run_train(args: argparse.Namespace) -> int:
     if args.process_log_dir:
         from shardlib.distributed import ProcessLog
         reporters.append(ProcessLog(args.process_log_dir))
-    result = train(config, devices=devices, reporter=Reporters(*reporters))
+    try:
+        result = train(config, devices=devices, reporter=Reporters(*reporters))
+    finally:
+        close(Reporters(*reporters))  # also when train() fails before it starts them
     if result.halt_message:  # docs/when-runs-go-wrong.md
         print(f"shardlib train: error: {result.halt_message}", file=sys.stderr, flush=True)
         return NONFINITE_EXIT_STATUS
@@ -271,6 +279,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 NONFINITE_EXIT_STATUS = 4  # a non-finite loss halted the run (a hang exits 3)
+TERMINATED_EXIT_STATUS = 143  # SIGTERM before the loop could save and stop (128 + 15)
 
 
 def check_checkpoint_flags(args: argparse.Namespace, config: Config) -> None:
@@ -316,10 +325,12 @@ def run_inspect(args: argparse.Namespace) -> int:
 
     from shardlib.cli.plan import setup_target
     from shardlib.inspect import analyze, inspect, render
+    from shardlib.run.compile_cache import enable as enable_compile_cache
 
     config = config_from_args(args)
     target = setup_target(args.target)
     devices = None if target else setup_devices(args.devices)
+    enable_compile_cache(config.train.compile_cache)
     if args.json:
         report = inspect(config, devices, target=target)
         print(json.dumps(report), flush=True)
@@ -353,8 +364,11 @@ def run_tokenizer(args: argparse.Namespace) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     """``shardlib generate``: continue a prompt with KV-cache decoding."""
     from shardlib.cli.generate import run_generate as generate
+    from shardlib.run.compile_cache import enable as enable_compile_cache
 
-    return generate(args, setup_devices(args.devices))
+    devices = setup_devices(args.devices)
+    enable_compile_cache(args.compile_cache or "")
+    return generate(args, devices)
 
 
 COMMANDS = {"train": run_train, "inspect": run_inspect, "export": run_export,
@@ -367,16 +381,39 @@ def _format_warning(message, category, filename, lineno, line=None) -> str:
     return f"shardlib: warning: {message}\n"
 
 
+NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.IGNORECASE)
+
+
+def join_negative_values(argv: Sequence[str]) -> list[str]:
+    """``--lr -1e-3`` -> ``--lr=-1e-3``: argparse takes a negative number in scientific
+    notation for a flag; joined to the flag before it, it is that flag's value."""
+    out: list[str] = []
+    for index, arg in enumerate(argv):
+        if arg == "--":  # the rest belongs to another command (launch -- train ...)
+            return out + list(argv[index:])
+        if out and NEGATIVE_NUMBER.fullmatch(arg) and out[-1].startswith("--") \
+                and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``shardlib`` entry point: the subcommand's exit code; 2 with one clear message on
-    bad input, 130 on Ctrl-C."""
-    args = build_parser().parse_args(argv)
+    bad input, 130 on Ctrl-C, 143 on a SIGTERM the loop could not take (start-up)."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(join_negative_values(argv))
     warnings.formatwarning = _format_warning
     try:
         return COMMANDS[args.command](args)
     except ShardlibError as err:
         print(f"shardlib {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"shardlib {args.command}: terminated by SIGTERM (what had started is closed)",
+              file=sys.stderr)
+        return TERMINATED_EXIT_STATUS
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

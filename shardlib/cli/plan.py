@@ -103,12 +103,14 @@ def run_plan(args: argparse.Namespace, config_from_args) -> int:
     from shardlib.planner.resolve import profile_for
     from shardlib.planner.search import plan
     from shardlib.planner.space import MICROBATCHES, REMATS
+    from shardlib.run.compile_cache import enable as enable_compile_cache
 
     pinned = parse_pinned(args.mesh) if args.mesh else None
     args.mesh = ""
     config = config_from_args(args)
     count = args.devices or DEFAULT_CPU_DEVICES
     devices = _plan_devices(count)
+    enable_compile_cache(config.train.compile_cache)
     profile = get_profile(args.device_profile) if args.device_profile else \
         profile_for((devices or __import__("jax").devices())[0])
     from_mesh = parse_pinned(args.from_mesh) if args.from_mesh else None

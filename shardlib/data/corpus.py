@@ -61,6 +61,10 @@ def synthetic_corpus(num_bytes: int = 2**21, seed: int = 1234) -> np.ndarray:
 def file_corpus(path: str) -> np.ndarray:
     """Bytes of a local text file."""
     file = Path(path)
+    if file.is_dir():
+        raise ConfigError(f"--data {path!r}: a directory, but not a prepared dataset (it has no "
+                          "manifest.json); make one with `shardlib data prepare --input FILES "
+                          f"--out {path}`, or pass a text file")
     if not file.is_file():
         raise ConfigError(f"--data {path!r}: no such file; use stdlib, synthetic or a text file")
     return np.frombuffer(file.read_bytes(), dtype=np.uint8)

@@ -292,8 +292,8 @@ def _check_options(out: Path, val_fraction: float, workers: int) -> None:
     if out.exists() and not (out / MANIFEST).is_file() and any(out.iterdir()):
         raise ConfigError(f"--out {out}: exists, is not empty and is not a prepared dataset; "
                           "pick a new directory")
-    if not out.parent.is_dir():
-        raise ConfigError(f"--out {out}: parent directory {out.parent} does not exist")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: {out.parent} is a file; pick a path in a directory")
 
 
 def prepare(inputs: Sequence[str], tokenizer: str, out: str, *, text_field: str = "text",
@@ -314,7 +314,7 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str, *, text_field: str 
     started = time.perf_counter()
     partial = root.with_name(f".{root.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)  # an interrupted run: start clean
-    partial.mkdir()
+    partial.mkdir(parents=True)  # --out runs/ds creates runs/, as mkdir -p
     dtype = "uint16" if tok.vocab_size <= 2**16 else "uint32"
     opts = Options(tokenizer or "bytes", text_field, val_fraction, dtype, str(partial))
     units = make_units(files, unit_bytes)

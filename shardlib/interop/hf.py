@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from shardlib import sharding
 from shardlib.checkpoint import Checkpointer
 from shardlib.config import MeshConfig, ModelConfig
-from shardlib.errors import CheckpointError, ConfigError
+from shardlib.errors import CheckpointError, ConfigError, ShardlibError
 from shardlib.export import good_step, read_array
 from shardlib.interop.hf_layout import Link, links, to_hf_config, to_model_config
 from shardlib.mesh import MESH_AXES, make_mesh
@@ -114,13 +114,49 @@ def _read_header(file: Path) -> dict[str, _Entry]:
     return entries
 
 
-def load_config(path: str | os.PathLike) -> ModelConfig:
-    """The ModelConfig of a save_pretrained directory's config.json."""
-    file = Path(path).expanduser() / "config.json"
+def _read_config_json(path: str | os.PathLike) -> tuple[dict[str, Any], Path]:
+    """A save_pretrained directory's config.json as a dict, or a ShardlibError naming it."""
+    folder = Path(path).expanduser()
+    file = folder / "config.json"
+    if not folder.is_dir():
+        raise CheckpointError(f"--init-from {path}: no such directory; point at a directory "
+                              "written by transformers' save_pretrained")
     if not file.is_file():
-        raise CheckpointError(f"{path}: no config.json; point at a directory written by "
-                              "transformers' save_pretrained")
-    return to_model_config(json.loads(file.read_text()), where=str(file))
+        raise CheckpointError(f"--init-from {path}: the directory has no config.json; point at "
+                              "a directory written by transformers' save_pretrained")
+    try:
+        hf = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"--init-from {path}: {file} is not readable JSON ({err}); write it "
+                          "again with save_pretrained") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"--init-from {path}: {file} holds a {type(hf).__name__}, not a "
+                          "JSON object; write it again with save_pretrained")
+    return hf, file
+
+
+def load_config(path: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig of a save_pretrained directory's config.json; a missing folder, a
+    file that is not JSON, a missing field or one of the wrong type is a ShardlibError."""
+    hf, file = _read_config_json(path)
+    fix = "write it again with save_pretrained"
+    try:
+        cfg = to_model_config(hf, where=str(file))
+    except ShardlibError:
+        raise
+    except KeyError as err:
+        raise ConfigError(f"--init-from {path}: {file} has no {err.args[0]!r}, which a "
+                          f"{hf.get('model_type', '?')} config needs; {fix}") from None
+    except (TypeError, ValueError) as err:  # e.g. "num_attention_heads": "12"
+        raise ConfigError(f"--init-from {path}: {file} has a field of the wrong type ({err}); "
+                          f"{fix}") from None
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.type in ("int", "float") and (isinstance(value, bool) or
+                                           not isinstance(value, int | float)):
+            raise ConfigError(f"--init-from {path}: {file} has a field of the wrong type: it "
+                              f"gives model.{f.name}={value!r}, not a number; {fix}")
+    return cfg
 
 
 def _table(cfg: ModelConfig, files: TensorFiles) -> list[Link]:
@@ -234,27 +270,35 @@ def save_pretrained(model: GPT, path: str | os.PathLike, *, dtype: str = "float3
 def write_pretrained(cfg: ModelConfig, get: Callable[[str], np.ndarray], names: Iterable[str],
                      path: str | os.PathLike, *, dtype: str = "float32") -> Saved:
     """Write config.json + model.safetensors from ``get(name)``, which returns one
-    shardlib parameter (by path, e.g. ``blocks.attn.w_q_dhk``) as a host array."""
+    shardlib parameter (by path, e.g. ``blocks.attn.w_q_dhk``) as a host array. Checked
+    before anything is written; a failed write leaves no folder it created behind."""
     out = Path(path).expanduser().absolute()
     if not out.parent.is_dir() or out.is_file():
         raise CheckpointError(f"--out {out}: must be a directory in an existing folder")
-    out.mkdir(exist_ok=True)
     if np.dtype(dtype).name not in ("float32", "float16", "bfloat16"):
         raise ConfigError(f"dtype={dtype!r}: use float32, float16 or bfloat16")
-    table, names = links(cfg), set(names)
+    table, names = links(cfg), set(names)  # a model HF cannot hold fails here
     order = [(n.format(i=i), s) for link in table for i in _layers(cfg, link)
              for n, s in zip(link.hf, link.hf_shapes, strict=True)]
     header = _header(order, np.dtype(dtype))
+    created = not out.exists()
+    out.mkdir(exist_ok=True)
     tmp = out / "model.safetensors.tmp"
-    with tmp.open("wb") as f:
-        f.write(struct.pack("<Q", len(header)) + header)
-        for link in table:  # one link's parameters on the host at a time
-            ours = [_gather(cfg, get, names, rel, link.layered) for rel in link.ours]
-            for i in _layers(cfg, link):
-                hf = link.to_hf([x[i] if link.layered else x for x in ours])
-                for array, shape in zip(hf, link.hf_shapes, strict=True):
-                    assert array.shape == shape, (link.hf, array.shape, shape)
-                    f.write(np.ascontiguousarray(array.astype(dtype)).tobytes())
+    try:
+        with tmp.open("wb") as f:
+            f.write(struct.pack("<Q", len(header)) + header)
+            for link in table:  # one link's parameters on the host at a time
+                ours = [_gather(cfg, get, names, rel, link.layered) for rel in link.ours]
+                for i in _layers(cfg, link):
+                    hf = link.to_hf([x[i] if link.layered else x for x in ours])
+                    for array, shape in zip(hf, link.hf_shapes, strict=True):
+                        assert array.shape == shape, (link.hf, array.shape, shape)
+                        f.write(np.ascontiguousarray(array.astype(dtype)).tobytes())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()
+        raise
     os.replace(tmp, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2) + "\n")
     count = sum(math.prod(s) for _, s in order)
@@ -291,13 +335,16 @@ def export_pretrained(directory: str | os.PathLike, out: str | os.PathLike,
     """A training checkpoint (default: its newest good step) as a save_pretrained
     directory, read one parameter at a time on the host: no devices, no mesh."""
     checkpointer = Checkpointer(directory, read_only=True)
-    step = good_step(checkpointer, step)
-    saved = checkpointer.saved_config(step).get("model", {})
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    cfg = ModelConfig(**{k: v for k, v in saved.items() if k in known})
-    keys = {path.removeprefix("params."): key
-            for path, (key, _) in checkpointer.saved_arrays(step).items()
-            if path.startswith("params.")}
-    reader = ocp.PyTreeCheckpointer()
-    get = lambda name: read_array(reader, checkpointer, step, keys[name])
-    return step, write_pretrained(cfg, get, keys, out, dtype=dtype)
+    try:
+        step = good_step(checkpointer, step)
+        saved = checkpointer.saved_config(step).get("model", {})
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        cfg = ModelConfig(**{k: v for k, v in saved.items() if k in known})
+        keys = {path.removeprefix("params."): key
+                for path, (key, _) in checkpointer.saved_arrays(step).items()
+                if path.startswith("params.")}
+        reader = ocp.PyTreeCheckpointer()
+        get = lambda name: read_array(reader, checkpointer, step, keys[name])
+        return step, write_pretrained(cfg, get, keys, out, dtype=dtype)
+    finally:
+        checkpointer.close()

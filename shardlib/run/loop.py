@@ -7,32 +7,31 @@ between those, steps are dispatched asynchronously and their metrics stay on dev
 
 from __future__ import annotations
 
-import os
-import signal
+import contextlib
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
 from shardlib import data as data_lib
-from shardlib import observe
+from shardlib import observe, reporting
 from shardlib.checkpoint import Checkpointer, open_for_training
 from shardlib.config import Config
-from shardlib.distributed import any_process, main_print
+from shardlib.distributed import main_print
 from shardlib.interop.hf import pretrained_state
 from shardlib.models import count_params
-from shardlib.planner import resolve_auto
 from shardlib.reporting import NullReporter, Reporter
-from shardlib.run import goodput, resume, watchdog
+from shardlib.run import compile_cache, goodput, resume, signals, startup, watchdog
 from shardlib.run.evaluation import eval_loss, eval_row, sample_text
 from shardlib.run.guards import Guards
 from shardlib.train import comm, nonfinite
 from shardlib.train.comm_policy import Adaptive
-from shardlib.train.state import TrainSetup, TrainState, build_setup, init_state
+from shardlib.train.state import TrainSetup, TrainState, init_state
 from shardlib.train.step import make_train_step
 
 
@@ -69,71 +68,129 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
 
     With ``config.checkpoint.dir`` set, it saves every ``checkpoint.every`` steps and at the
     end, resumes with ``checkpoint.resume``, and on SIGTERM/SIGINT saves and stops early.
+    Every config and data problem is found before anything starts (``startup.preflight``);
+    what start-up opens is closed on every way out, SIGTERM during start-up included.
+    Compiled programs are kept in JAX's persistent cache (``train.compile_cache``).
     """
     timeline = goodput.Timeline()
-    reporter = observe.attach(reporter or NullReporter(), config.train)
-    nonfinite.check_config(config.train)
+    compile_cache.enable(config.train.compile_cache)  # before the first compile
     resume.check_config(config.train)
-    dog = watchdog.for_run(config.train.hang_timeout_s)
-    timeline.listeners.append(dog.on_phase)
-    checkpointer = open_for_training(config.checkpoint)  # a bad directory fails first
-    if config.mesh.auto:  # `--mesh auto`: the planner picks mesh, remat and microbatches
-        config = resolve_auto(config, devices)
-    source = data_lib.open_source(config)  # bad data or tokenizer fails before compiling
-    setup = build_setup(config, devices)
+    with signals.sigterm_raises(), contextlib.ExitStack() as exits:
+        config, source, setup = startup.preflight(config, devices)
+        run = _open(setup, source, state, reporter, timeline, exits)
+        started = time.perf_counter()
+        timeline.lap("startup")
+        try:  # the watchdog watches the steps, eval, the final save and the sample
+            with signals.StopSignals(enabled=run.checkpointer is not None) as stop:
+                state, compile_s = _run(run.setup, run.state, run.result, run.reporter,
+                                        run.checkpointer, stop, run.observer, run.loader,
+                                        run.guards, exits)
+            run.loader.close()
+            return _finish(run, state, compile_s, started, source.tokenizer)
+        except Exception:
+            run.guards.explain_hang()
+            raise
+        finally:
+            run.guards.watchdog.close()
+
+
+@dataclass
+class _Opened:
+    """What start-up opened for the loop (each one is also on ``train``'s exit stack)."""
+    setup: TrainSetup  # with ``train.lr_scale_on_resume`` applied when a checkpoint restored
+    state: TrainState
+    result: TrainResult
+    checkpointer: Checkpointer | None
+    loader: data_lib.Loader
+    reporter: Reporter
+    guards: Guards
+    observer: observe.RunObserver
+
+
+def _open(setup: TrainSetup, source: data_lib.Source, state: TrainState | None,
+          reporter: Reporter | None, timeline: goodput.Timeline,
+          exits: contextlib.ExitStack) -> _Opened:
+    """Start what the run needs, each closed by ``exits`` on every way out: the checkpoint
+    manager, the state (resumed, fine-tuned or new), the loader at its position, the
+    reporters, the watchdog, the observer; then tell the reporters the run started."""
+    config = setup.config
+    exits.push(_remove_if_left_empty(config.checkpoint.dir))
+    checkpointer = open_for_training(config.checkpoint)
+    if checkpointer is not None:
+        exits.callback(checkpointer.close)
     result = TrainResult(state, setup)
-    if state is None and checkpointer is not None and config.checkpoint.resume:
-        state = checkpointer.restore_latest(setup)
-        result.resumed_from = None if state is None else int(state.step)
+    state = _first_state(setup, state, checkpointer, result)
     setup, notes = resume.after_restore(setup, result.resumed_from)  # lr cut on resume
     result.setup = setup
     for note in notes:
         main_print(f"shardlib train: {note}", file=sys.stderr, flush=True)
-    if state is None and config.train.init_from:  # fine-tune HF weights (resume wins)
-        state = pretrained_state(setup, config.train.init_from)
-    state = state if state is not None else init_state(setup, config.train.seed)
+    loader = _loader(setup, source, state, checkpointer, result.resumed_from)
+    exits.callback(loader.close)
+    reporter = observe.attach(reporter or NullReporter(), config.train)
+    exits.callback(reporting.close, reporter)
+    dog = watchdog.for_run(config.train.hang_timeout_s)
+    exits.callback(dog.close)
+    timeline.listeners.append(dog.on_phase)
     guards = Guards(timeline, dog, nonfinite.Tracker(config.train, setup.policy.loss_scaling),
                     config.checkpoint.dir, goodput.read_progress(config.checkpoint.dir)
                     if config.checkpoint.dir else 0)
-    reporter.on_start(setup, {"params": count_params(config.model)})
-    started = time.perf_counter()
     observer = observe.RunObserver(setup)
-    loader = _loader(setup, source, state, checkpointer, result.resumed_from)
-    timeline.lap("startup")
-    try:  # the watchdog watches the steps, eval, the final save and the sample
-        with StopSignals(enabled=checkpointer is not None) as stop:
-            state, compile_s = _run(setup, state, result, reporter, checkpointer, stop,
-                                    observer, loader, guards)
-        loader.close()
-        result.state = state
-        result.summary = summarize(result.history, compile_s, time.perf_counter() - started)
-        result.summary.update(observer.summary(result.summary))  # MFU, peak memory, trace
-        _finish(setup, state, result, checkpointer, guards, source.tokenizer)
-    except Exception:
-        guards.explain_hang()
-        raise
-    finally:
-        dog.close()
-    result.summary.update(timeline.summary())
-    reporter.on_end(result.summary, result.sample)
-    return result
+    exits.callback(observer.profiler.stop)
+    reporter.on_start(setup, {"params": count_params(config.model)})
+    return _Opened(setup, state, result, checkpointer, loader, reporter, guards, observer)
 
 
-def _finish(setup: TrainSetup, state: TrainState, result: TrainResult,
-            checkpointer: Checkpointer | None, guards: Guards,
-            tokenizer: data_lib.Tokenizer) -> None:
-    """The final save, the halt line of a non-finite run, and the sample."""
-    config, timeline = setup.config, guards.timeline
-    if checkpointer is not None:
+def _remove_if_left_empty(directory: str) -> Any:
+    """An exit callback: a checkpoint directory this run made, still empty when the run
+    fails, is removed (a failed start leaves no trace)."""
+    made = bool(directory) and not Path(directory).expanduser().exists()
+
+    def remove(exc_type: Any, *_: Any) -> bool:
+        path = Path(directory).expanduser()
+        if made and exc_type is not None and path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+        return False
+
+    return remove
+
+
+def _first_state(setup: TrainSetup, state: TrainState | None,
+                 checkpointer: Checkpointer | None, result: TrainResult) -> TrainState:
+    """The caller's state, else the newest good checkpoint (``checkpoint.resume``), else
+    Hugging Face weights (``train.init_from``), else a fresh init."""
+    config = setup.config
+    if state is None and checkpointer is not None and config.checkpoint.resume:
+        state = checkpointer.restore_latest(setup)
+        if state is not None:
+            result.resumed_from = int(state.step)
+            startup.warn_schedule_change(checkpointer.saved_config(result.resumed_from),
+                                         config, result.resumed_from)
+    if state is None and config.train.init_from:  # fine-tune HF weights (resume wins)
+        state = pretrained_state(setup, config.train.init_from)
+    return state if state is not None else init_state(setup, config.train.seed)
+
+
+def _finish(run: _Opened, state: TrainState, compile_s: float, started: float,
+            tokenizer: data_lib.Tokenizer) -> TrainResult:
+    """The summary, the final save, the halt message and the sample; then ``on_end``."""
+    result, timeline = run.result, run.guards.timeline
+    config = result.setup.config
+    result.state = state
+    result.summary = summarize(result.history, compile_s, time.perf_counter() - started)
+    result.summary.update(run.observer.summary(result.summary))  # MFU, peak memory, trace
+    if run.checkpointer is not None:
         with timeline.phase("checkpoint"):
-            _final_save(checkpointer, state, config, result)
-    if guards.tracker.reason is not None:
+            _final_save(run.checkpointer, state, config, result)
+    if run.guards.tracker.reason is not None:
         result.halt_message = nonfinite.halt_message(
-            guards.tracker.reason, config.checkpoint.dir, result.checkpoint_step)
+            run.guards.tracker.reason, config.checkpoint.dir, result.checkpoint_step)
     with timeline.phase("sample"):
         if not result.stopped_by:
-            result.sample = sample_text(setup, state, config.train, tokenizer, timeline)
-    result.summary.update(guards.tracker.summary())
+            result.sample = sample_text(result.setup, state, config.train, tokenizer, timeline)
+    result.summary.update(run.guards.tracker.summary())
+    result.summary.update(timeline.summary())
+    run.reporter.on_end(result.summary, result.sample)
+    return result
 
 
 def _loader(setup: TrainSetup, source: data_lib.Source, state: TrainState,
@@ -154,9 +211,9 @@ def _loader(setup: TrainSetup, source: data_lib.Source, state: TrainState,
 
 
 def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Reporter,
-         checkpointer: Checkpointer | None, stop: StopSignals,
+         checkpointer: Checkpointer | None, stop: signals.StopSignals,
          observer: observe.RunObserver, loader: data_lib.Loader,
-         guards: Guards) -> tuple[TrainState, float]:
+         guards: Guards, exits: contextlib.ExitStack) -> tuple[TrainState, float]:
     """Compile, then step from ``state.step`` to ``train.steps``: log every ``log_every``
     steps, save every ``checkpoint.every``, and stop before the next step on a signal
     or a non-finite loss (``train.on_nonfinite``)."""
@@ -172,7 +229,7 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
     guards.watchdog.start(int(state.step))
     observer.on_compiled(step_fn)
     adapt = _adaptive(setup, state, first, step_fn)  # comm.policy: None unless on
-    keep_fn = _keeping_step(setup, state, first, checkpointer)
+    keep_fn = _keeping_step(setup, state, first, checkpointer, exits)
     eval_fns: dict[str, Any] = {}  # compiled at the first eval
     tokens = tc.batch_size * tc.seq_len
     pending: list[tuple[int, dict]] = []
@@ -264,12 +321,13 @@ def _adaptive(setup: TrainSetup, state: TrainState, batch: Any, step_fn: Any) ->
 
 
 def _keeping_step(setup: TrainSetup, state: TrainState, batch: Any,
-                  checkpointer: Checkpointer | None) -> Any:
+                  checkpointer: Checkpointer | None, exits: contextlib.ExitStack) -> Any:
     """A getter for the non-donating step, compiled on a thread while training starts.
 
     The step after a save runs it, so the saved arrays stay valid while orbax reads them
     and the save needs no copy. Until it is compiled (or if it fails) the getter returns
-    None and the save copies the state instead."""
+    None and the save copies the state instead. A run that fails waits for the thread
+    (``exits``): nothing it started outlives it."""
     if checkpointer is None or checkpointer.every <= 0:
         return lambda: None
     compiled: dict[str, Any] = {}
@@ -280,7 +338,15 @@ def _keeping_step(setup: TrainSetup, state: TrainState, batch: Any,
         compiled["fn"] = make_train_step(setup, donate=False).lower(*shapes).compile()
 
     # not a daemon: one still compiling at exit would abort the interpreter's shutdown
-    threading.Thread(target=work, daemon=False, name="shardlib-compile-keeping-step").start()
+    thread = threading.Thread(target=work, daemon=False, name="shardlib-compile-keeping-step")
+    thread.start()
+
+    def join_on_failure(failed: Any, *_: Any) -> bool:
+        if failed is not None:
+            thread.join()  # a failed run leaves nothing running
+        return False
+
+    exits.push(join_on_failure)
     return lambda: compiled.get("fn")
 
 
@@ -299,46 +365,6 @@ def _final_save(checkpointer: Checkpointer, state: TrainState, config: Config,
     result.checkpoint_step = checkpointer.latest_step()
     result.summary.update(checkpoint_step=result.checkpoint_step,
                           resumed_from_step=result.resumed_from)
-
-
-class StopSignals:
-    """While active, SIGTERM and SIGINT only set ``signal``: the loop finishes its step,
-    saves and stops. A second signal raises KeyboardInterrupt. Main thread only."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self.signal: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopSignals:
-        if self.enabled:
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def requested(self, step: int, every: int) -> bool:
-        """Stop before ``step``? Several processes must all stop at the same step, so
-        they agree (an all-gather of one flag) only every ``every`` steps."""
-        if not self.enabled or jax.process_count() == 1:
-            return self.signal is not None
-        if (step - 1) % every:
-            return False
-        if any_process(self.signal is not None) and self.signal is None:
-            self.signal = "SIGTERM"  # another process got it: stop and save together
-        return self.signal is not None
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        name = signal.Signals(signum).name
-        if self.signal is not None:
-            raise KeyboardInterrupt(f"second {name}")
-        self.signal = name
-        os.write(2, f"{name}: saving a checkpoint after this step, then stopping "
-                    "(send it again to stop at once)\n".encode())
 
 
 def summarize(history: list[dict[str, Any]], compile_s: float, total_s: float) -> dict[str, Any]:

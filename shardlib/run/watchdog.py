@@ -42,7 +42,7 @@ AUTO_STEPS = 20
 EXEMPT = ("compile", "startup")  # no progress to watch: they pause the clock
 WORK = {"eval": "eval", "sample": "sampling", "checkpoint": "the checkpoint save"}  # watched
 KEY_PREFIX = "shardlib/watchdog/"
-STALL_ENV = "SHARDLIB_TEST_STALL_AT_STEP"  # test hook: block the main thread after step N
+STALL_ENV = "SHARDLIB_TEST_STALL_AT_STEP"  # test hook: step N never comes back
 _stall_release = threading.Event()
 
 
@@ -183,10 +183,10 @@ class Watchdog:
     def dispatched(self, step: int, marker: jax.Array) -> None:
         """Step ``step`` was dispatched; ``marker`` (one of its outputs) is ready once it
         has finished."""
+        if os.environ.get(STALL_ENV) == str(step):  # test hook: a step that never comes
+            _stall_release.wait()  # back (never counted: the last finished is the one before)
         with self.lock:
             self.pending.append((step, marker))
-        if os.environ.get(STALL_ENV) == str(step):
-            _stall_release.wait()  # test hook: a step that never comes back
 
     def working(self, marker: jax.Array) -> None:
         """Work other than a step was dispatched (an eval batch): ``marker`` is ready once

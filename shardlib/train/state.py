@@ -16,6 +16,7 @@ from shardlib import sharding
 from shardlib.analysis.tables import ParamInfo, param_rows
 from shardlib.checkpoint import Target, restore_target
 from shardlib.config import CommConfig, Config, OptimConfig
+from shardlib.config_check import check_ranges
 from shardlib.errors import ConfigError
 from shardlib.mesh import MESH_AXES, make_mesh, platform_of, resolve_degrees
 from shardlib.models import GPT, check_model
@@ -114,6 +115,7 @@ def named_tree(specs: nnx.State, mesh: Mesh) -> nnx.State:
 
 def build_setup(config: Config, devices: list[jax.Device] | None = None) -> TrainSetup:
     """Mesh, rules and every sharding, validated before any array is allocated."""
+    check_ranges(config)
     check_model(config.model)
     devices = list(jax.devices() if devices is None else devices)
     policy = resolve_policy(config.precision, platform_of(devices))
