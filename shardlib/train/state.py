@@ -17,7 +17,7 @@ from shardlib.analysis.tables import ParamInfo, param_rows
 from shardlib.checkpoint import Target, restore_target
 from shardlib.config import CommConfig, Config, OptimConfig
 from shardlib.errors import ConfigError
-from shardlib.mesh import MESH_AXES, make_mesh, platform_of, resolve_degrees
+from shardlib.mesh import MESH_AXES, capability_of, make_mesh, platform_of, resolve_degrees
 from shardlib.models import GPT, check_model
 from shardlib.models.attention import check_kernel
 from shardlib.models.moe import check_moe
@@ -123,7 +123,8 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None) -> Trai
     check_context_parallel(config.attention.context_parallel, sizes=sizes,
                            num_heads=config.model.num_heads, seq_len=config.train.seq_len)
     check_pipeline(config, sizes)
-    check_kernel(config.attention.impl, config.attention.chunk, backend=platform_of(mesh))
+    check_kernel(config.attention.impl, config.attention.chunk, backend=platform_of(mesh),
+                 capability=capability_of(mesh))
     comm_lib.check_comm(config.comm, sizes, zero=config.mesh.zero,
                         loss_scaling=policy.loss_scaling)
     rules = sharding.make_rules(config.mesh, sizes, config.rules)
