@@ -11,7 +11,7 @@ contracts of the CPU suite held there.
 - The 7B preset compiles for 8 nodes of 8 H100s (fsdp=64) and fits one GPU.
 
 The compile tests need JAX's CUDA plugin (``pip install -e ".[gpu]"``) and are skipped
-without it; the rest run everywhere. Under a minute and a half on 2 cores.
+without it; the rest run everywhere. About 90 s on 2 cores.
 """
 
 from __future__ import annotations
