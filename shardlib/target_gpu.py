@@ -56,19 +56,28 @@ def target_config(chip: str) -> str:
     return path.read_text()
 
 
+def target_name(chip: str, topology: str) -> str:
+    """``h100x8``, ``h100x8x16``: the ``--target`` of ``topology`` (1 x nodes x per node)."""
+    _, nodes, per_node = topology.split("x")
+    if nodes == "1":
+        return chip if per_node == "1" else f"{chip}x{per_node}"
+    return f"{chip}x{per_node}x{nodes}"
+
+
 def gpu_devices(chip: str, topology: str) -> list[jax.Device]:
     """The devices of ``topology`` (``1 x nodes x gpus-per-node``) GPUs of model ``chip``,
     compile-only: each node is one JAX process of ``gpus-per-node`` devices."""
+    name = target_name(chip, topology)
     if not cuda_plugin_installed():
-        raise ConfigError(f"--target {chip} ({topology}): compiling for GPU needs JAX's CUDA "
-                          f"plugin; install the extra: {INSTALL_HINT}")
+        raise ConfigError(f"--target {name}: compiling for GPU needs JAX's CUDA plugin; "
+                          f"install the extra: {INSTALL_HINT}")
     prepare_cuda_plugin()
     try:
         description = topologies.get_topology_desc(
             topology_name=chip, platform="cuda", target_config=target_config(chip),
             topology=topology)
     except NotImplementedError as err:  # the plugin failed to start (no driver)
-        raise ConfigError(f"--target {chip} ({topology}): JAX's CUDA plugin did not start "
+        raise ConfigError(f"--target {name}: JAX's CUDA plugin did not start "
                           f"({err}); set {SKIP_CHECK}=1 before JAX starts (the shardlib "
                           "command does), or JAX_PLATFORMS=cpu") from None
     return list(description.devices)

@@ -56,9 +56,9 @@ def on_h100(mesh: str, layers: int) -> Inspection:
 
 def test_missing_cuda_plugin_names_the_extra(monkeypatch):
     monkeypatch.setattr(target_gpu, "CUDA_PLUGINS", ("jax_plugins.no_such_plugin",))
-    with pytest.raises(ConfigError, match=r"CUDA plugin; install the extra: pip install -e "
-                                          r'"\.\[gpu\]"'):
-        target_gpu.gpu_devices("h100", "1x1x8")
+    with pytest.raises(ConfigError, match=r"--target h100x8x2: .*CUDA plugin; install the "
+                                          r'extra: pip install -e "\.\[gpu\]"'):
+        target_gpu.gpu_devices("h100", "1x2x8")
 
 
 def test_every_gpu_chip_has_a_target_config():
