@@ -30,7 +30,7 @@ from shardlib.analysis.tables import rules_line, sharding_table
 from shardlib.analysis.theory import Term, comm_bytes, comm_terms, state_bytes_per_device
 from shardlib.config import Config, to_dict
 from shardlib.errors import OutOfMemoryError
-from shardlib.mesh import describe, platform_of
+from shardlib.mesh import capability_of, describe, platform_of
 from shardlib.models import count_params
 from shardlib.models.attention import resolve as resolve_attention
 from shardlib.parallel import tensor
@@ -155,7 +155,8 @@ def attention_kernel(setup: TrainSetup) -> str:
     cfg, model = setup.config, setup.config.model
     return resolve_attention(cfg.attention.impl, backend=platform_of(setup.mesh),
                              seq_len=cfg.train.seq_len, dtype=setup.policy.compute,
-                             head_dim=model.head_dim, manual=True)  # the step's shard_map
+                             head_dim=model.head_dim, manual=True,  # the step's shard_map
+                             capability=capability_of(setup.mesh))
 
 
 def gather_bytes(setup: TrainSetup) -> int:

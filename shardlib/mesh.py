@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -101,6 +102,17 @@ def platform_of(where: Mesh | Sequence[jax.Device] | jax.Device) -> str:
         device = list(where)[0]
     name = device.platform.lower()
     return "gpu" if name in GPU_PLATFORM_NAMES else name
+
+
+def capability_of(where: Mesh | Sequence[jax.Device] | jax.Device) -> tuple[int, int] | None:
+    """CUDA compute capability (9, 0) of a mesh's (or device's) devices, real or
+    compile-only (``shardlib.target``); None off NVIDIA GPUs."""
+    device = where.devices.flat[0] if isinstance(where, Mesh) else \
+        where if isinstance(where, jax.Device) else list(where)[0]
+    if platform_of(device) != "gpu":
+        return None
+    match = re.fullmatch(r"(\d+)\.(\d+)", str(getattr(device, "compute_capability", "")))
+    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def has_accelerator() -> bool:

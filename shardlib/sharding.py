@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardlib.config import MeshConfig
 from shardlib.errors import ShardingError
-from shardlib.mesh import MESH_AXES, platform_of
+from shardlib.mesh import MESH_AXES, capability_of, platform_of
 
 Rules = dict[str, tuple[str, ...]]
 
@@ -186,8 +186,8 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(target, spec))
 
 
-_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "shardlib_platform", default=None)
+_COMPILING_FOR: contextvars.ContextVar[jax.Device | None] = contextvars.ContextVar(
+    "shardlib_compiling_for", default=None)
 
 
 @contextlib.contextmanager
@@ -195,22 +195,33 @@ def compiling_for(mesh: Mesh) -> Iterator[None]:
     """Within this block (while tracing) ``compute_platform()`` is ``mesh``'s platform:
     the train step wraps its body in this, so a step built over TPU or GPU devices from a
     CPU host (``shardlib.target``) takes the TPU or GPU code paths."""
-    token = _PLATFORM.set(platform_of(mesh))
+    token = _COMPILING_FOR.set(mesh.devices.flat[0])
     try:
         yield
     finally:
-        _PLATFORM.reset(token)
+        _COMPILING_FOR.reset(token)
 
 
-def compute_platform() -> str:
-    """``cpu``, ``gpu`` or ``tpu``: what the trace in progress compiles for (the enclosing
-    ``compiling_for`` or ``activation_rules`` mesh's platform; else JAX's default backend).
-    Kernel, precision and collective choices ask this, never ``jax.default_backend()``."""
-    chosen = _PLATFORM.get()
+def compute_device() -> jax.Device:
+    """One device of what the trace in progress compiles for (the enclosing
+    ``compiling_for`` or ``activation_rules`` mesh's; else JAX's first device)."""
+    chosen = _COMPILING_FOR.get()
     if chosen is not None:
         return chosen
     active = _ACTIVE.get()
-    return platform_of(active[0]) if active else platform_of(jax.devices()[0])
+    return active[0].devices.flat[0] if active else jax.devices()[0]
+
+
+def compute_platform() -> str:
+    """``cpu``, ``gpu`` or ``tpu``: what the trace in progress compiles for.
+    Kernel, precision and collective choices ask this, never ``jax.default_backend()``."""
+    return platform_of(compute_device())
+
+
+def compute_capability() -> tuple[int, int] | None:
+    """The CUDA compute capability of the GPU the trace compiles for (a target's, not the
+    host's); None off NVIDIA GPUs. Kernel choices with hardware limits ask this."""
+    return capability_of(compute_device())
 
 
 def current_mesh() -> Mesh | None:

@@ -40,6 +40,7 @@ class Chip:
     cores_per_chip: int = 1  # TensorCores the accelerator type counts per chip (v4, v5p: 2)
     devices_per_chip: int = 1  # JAX devices per chip in the compile-only topology
     torus_dims: int = 2  # 3 for v4 / v5p
+    compute_capability: tuple[int, int] | None = None  # GPUs: CUDA's sm_XY as (X, Y)
 
 
 TPU_CHIPS: dict[str, Chip] = {
@@ -51,12 +52,14 @@ TPU_CHIPS: dict[str, Chip] = {
 }
 TPU_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6lite": "v6e", "v6litepod": "v6e"}
 
+# Memory as the GPU reports it (the target configs' device_memory_size); dense bf16 peak
+# (fp16 for the T4, which has no bf16 tensor cores).
 GPU_CHIPS: dict[str, Chip] = {
-    "h100": Chip("h100", "gpu", 80 * GIB, 989e12, "h100"),
-    "h200": Chip("h200", "gpu", 141 * 10**9, 989e12, "h200"),
-    "a100": Chip("a100", "gpu", 80 * GIB, 312e12, "a100"),
-    "b200": Chip("b200", "gpu", 180 * 10**9, 2250e12, "b200"),
-    "t4": Chip("t4", "gpu", 15 * GIB, 65e12, "t4"),
+    "h100": Chip("h100", "gpu", 84942979072, 989e12, "h100", compute_capability=(9, 0)),
+    "h200": Chip("h200", "gpu", 151397597184, 989e12, "h200", compute_capability=(9, 0)),
+    "a100": Chip("a100", "gpu", 85100068864, 312e12, "a100", compute_capability=(8, 0)),
+    "b200": Chip("b200", "gpu", 191514411008, 2250e12, "b200", compute_capability=(10, 0)),
+    "t4": Chip("t4", "gpu", 15828320256, 65e12, "t4", compute_capability=(7, 5)),
 }
 EXAMPLES = ("v5p-128", "v5litepod-16", "v6e-64", "v4-32", "v5e:2x4", "v5p:4x4x8", "h100x8",
             "h100x8x16", "a100x8", "h200x8", "b200x8", "t4")

@@ -20,13 +20,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from shardlib import accelerator
 from shardlib.config import AttentionConfig, MeshConfig
 from shardlib.errors import ConfigError
+from shardlib.mesh import make_mesh
 from shardlib.models import GPT
 from shardlib.models.attention import (
     attend,
+    check_kernel,
+    cudnn_attention,
+    manual_everywhere,
     resolve,
     splash_attention,
     textbook_attention,
@@ -169,6 +174,43 @@ def test_auto_rule():
     assert resolve("auto", backend="gpu", seq_len=512, dtype=bf16, head_dim=64) == "cudnn"
     assert resolve("auto", backend="gpu", seq_len=4096, dtype=f32, head_dim=64) == "chunked"
     assert resolve("chunked", backend="gpu", seq_len=8, dtype=bf16, head_dim=64) == "chunked"
+
+
+@pytest.mark.parametrize("capability, picked", [((7, 5), "xla"), ((8, 0), "cudnn"),
+                                                ((9, 0), "cudnn"), (None, "cudnn")])
+def test_auto_picks_cudnn_only_from_ampere(capability, picked):
+    """cuDNN's fused attention needs sm80+: a T4 (7.5) gets the portable kernel. jax's own
+    check asks the host's backend, so compiling for a GPU target it never runs."""
+    assert resolve("auto", backend="gpu", seq_len=512, dtype=jnp.bfloat16, head_dim=64,
+                   capability=capability) == picked
+
+
+def test_manual_everywhere_inside_a_partly_manual_shard_map():
+    """cuDNN's attention runs manual over every mesh axis (its custom partitioner fails
+    beside manual axes): inside explicit FSDP's shard_map the size-1 axes are added."""
+    mesh, seen = make_mesh({"fsdp": 8}), []
+
+    def double(x):
+        seen.append(set(jax.sharding.get_abstract_mesh().manual_axes))
+        return 2 * x
+
+    assert manual_everywhere(double) is double  # outside shard_map
+    step = jax.shard_map(lambda x: manual_everywhere(double)(x), mesh=mesh, in_specs=P("fsdp"),
+                         out_specs=P("fsdp"), axis_names={"fsdp"})
+    out = jax.jit(step)(jnp.arange(16.0))
+    assert seen[-1] == set(mesh.axis_names)
+    np.testing.assert_array_equal(out, 2 * np.arange(16.0))
+
+
+def test_cudnn_is_refused_before_ampere_and_wide_heads_before_hopper():
+    check_kernel("cudnn", 512, backend="gpu", capability=(8, 0))
+    with pytest.raises(ConfigError, match=r"attention.impl=cudnn: .*sm_75 \(7.5\)"):
+        check_kernel("cudnn", 512, backend="gpu", capability=(7, 5))
+    q = jnp.zeros((1, 8, 2, 192), jnp.bfloat16)
+    with pytest.raises(ConfigError, match="head dim 192 .* up to 128 on sm_80"):
+        cudnn_attention(q, q, q, capability=(8, 0))
+    with pytest.raises(ConfigError, match="head dim 60 .* multiple of 8"):
+        cudnn_attention(q[..., :60], q[..., :60], q[..., :60], capability=(9, 0))
 
 
 @pytest.mark.parametrize("attn, match", [

@@ -71,11 +71,13 @@ def setup_target(name: str | None):
         return None
     from shardlib.accelerator import apply_gpu_flags
     from shardlib.target import parse_target, quiet_libtpu
+    from shardlib.target_gpu import prepare_cuda_plugin
 
     target = parse_target(name)
     quiet_libtpu()
     if target.platform == "gpu":
         apply_gpu_flags(force=True)
+        prepare_cuda_plugin()  # no GPU here: the CUDA plugin starts without a driver
     target.devices()  # fail here, with the install hint, before any work
     return target
 

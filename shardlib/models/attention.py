@@ -6,13 +6,16 @@
   hand-written backward that recomputes tiles; O(T * chunk) memory, forward and backward.
   Pure JAX, so it runs on every backend.
 - ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")``: cuDNN's fused
-  flash attention. GPU only, bf16/fp16 compute only.
+  flash attention. GPU only (compute capability 8.0, Ampere, or newer), bf16/fp16 compute
+  only, head dim a multiple of 8 up to 128 (256 from Hopper, 9.0). The GPU's capability
+  is the target's (``sharding.compute_capability``): jax's own checks ask the host's
+  backend, so compiling ahead of time for a GPU that is not there they do not run.
 - ``splash``: TPU splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``),
   a Pallas flash kernel with causal and segment masks. TPU only; the sequence a multiple
   of ``SPLASH_BLOCK`` (128). Tested on CPU through Pallas' interpreter.
-- ``auto``: ``cudnn`` on GPU when the compute dtype is bf16/fp16 and the head dim is a
-  multiple of 8 up to 128; ``splash`` on TPU when the sequence is a multiple of 128 and the
-  call is not inside a ``shard_map`` (the train step's is: see ``check_kernel``);
+- ``auto``: ``cudnn`` on an sm80+ GPU when the compute dtype is bf16/fp16 and the head
+  dim is a multiple of 8 up to 128; ``splash`` on TPU when the sequence is a multiple of 128
+  and the call is not inside a ``shard_map`` (the train step's is: see ``check_kernel``);
   otherwise ``chunked`` when the sequence is at least ``AUTO_CHUNKED_FROM`` (1024) tokens;
   otherwise ``xla`` (``resolve`` is the rule).
 
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import jax
@@ -41,21 +44,37 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 from jax.experimental.pallas.ops.tpu.splash_attention import (
     splash_attention_mask as splash_mask,
 )
+from jax.sharding import PartitionSpec as P
 
 from shardlib.errors import ConfigError
 from shardlib.models.flash import chunked_attention
-from shardlib.sharding import compute_platform
+from shardlib.sharding import compute_capability, compute_platform
 
 KERNELS = ("xla", "chunked", "cudnn", "splash", "auto")
 SPLASH_BLOCK = 128  # splash's query / key block: the sequence must be a multiple of it
 AUTO_CHUNKED_FROM = 1024  # auto: sequences at least this long use the chunked kernel
 HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+CUDNN_MIN_CAPABILITY = (8, 0)  # cuDNN fused attention: Ampere or newer (not a T4, 7.5)
+CUDNN_WIDE_HEADS_FROM = (9, 0)  # head dims 136..256: Hopper or newer
+Capability = tuple[int, int] | None  # a GPU's CUDA compute capability; None: not known
 
 
-def check_kernel(kernel: str, chunk: int, *, backend: str, train_step: bool = False) -> None:
-    """ConfigError naming the field, the value and the fix, or nothing. ``train_step``:
-    the kernel runs inside the train step's ``shard_map``, where splash cannot (jax 0.10's
-    splash kernel gives its outputs no varying-axes type, which ``check_vma`` refuses)."""
+def cudnn_supports(capability: Capability) -> bool:
+    """Whether cuDNN's fused attention runs on a GPU of ``capability`` (None: assume so)."""
+    return capability is None or capability >= CUDNN_MIN_CAPABILITY
+
+
+def cudnn_max_head_dim(capability: Capability) -> int:
+    """The largest head dim cuDNN's fused attention takes on ``capability``."""
+    return 256 if capability is not None and capability >= CUDNN_WIDE_HEADS_FROM else 128
+
+
+def check_kernel(kernel: str, chunk: int, *, backend: str, capability: Capability = None,
+                 train_step: bool = False) -> None:
+    """ConfigError naming the field, the value and the fix, or nothing (``capability``:
+    the GPU's compute capability, where known). ``train_step``: the kernel runs inside the
+    train step's ``shard_map``, where splash cannot (jax 0.10's splash kernel gives its
+    outputs no varying-axes type, which ``check_vma`` refuses)."""
     if kernel not in KERNELS:
         raise ConfigError(f"attention.impl={kernel!r}: unknown kernel; use one of "
                           f"{', '.join(KERNELS)} (e.g. --set attention.impl=chunked)")
@@ -63,6 +82,12 @@ def check_kernel(kernel: str, chunk: int, *, backend: str, train_step: bool = Fa
         raise ConfigError(f"attention.impl=cudnn needs a GPU, but the mesh's platform is "
                           f"{backend!r}; use attention.impl=chunked (long sequences) or xla, "
                           "or auto (picks cudnn on GPU)")
+    if kernel == "cudnn" and not cudnn_supports(capability):
+        major, minor = CUDNN_MIN_CAPABILITY
+        raise ConfigError(f"attention.impl=cudnn: cuDNN's fused attention needs a GPU of "
+                          f"compute capability {major}.{minor} (Ampere) or newer, the mesh's "
+                          f"GPU is {sm(capability)}; use attention.impl=auto "
+                          "(picks chunked or xla there), chunked or xla")
     if kernel == "splash" and backend != "tpu":
         raise ConfigError(f"attention.impl=splash needs a TPU, but the mesh's platform is "
                           f"{backend!r}; use attention.impl=chunked (long sequences) or xla, "
@@ -77,13 +102,21 @@ def check_kernel(kernel: str, chunk: int, *, backend: str, train_step: bool = Fa
                           "token (e.g. 512)")
 
 
+def sm(capability: Capability) -> str:
+    """``sm_75 (7.5)``: a compute capability as NVIDIA and jax write it."""
+    return "an unknown GPU" if capability is None else \
+        f"sm_{capability[0]}{capability[1]} ({capability[0]}.{capability[1]})"
+
+
 def resolve(kernel: str, *, backend: str, seq_len: int, dtype, head_dim: int,
-            manual: bool = False) -> str:
-    """The concrete kernel ``kernel`` means here (``auto``'s rule; others are themselves).
-    ``manual``: called inside a ``shard_map`` (splash cannot run there)."""
+            capability: Capability = None, manual: bool = False) -> str:
+    """The concrete kernel ``kernel`` means here (``auto``'s rule; others are themselves);
+    ``capability``: the GPU's compute capability (cuDNN's needs sm80+); ``manual``: called
+    inside a ``shard_map`` (splash cannot run there)."""
     if kernel != "auto":
         return kernel
-    if backend == "gpu" and jnp.dtype(dtype) in HALF and head_dim % 8 == 0 and head_dim <= 128:
+    if (backend == "gpu" and cudnn_supports(capability) and jnp.dtype(dtype) in HALF
+            and head_dim % 8 == 0 and head_dim <= 128):
         return "cudnn"
     if backend == "tpu" and seq_len % SPLASH_BLOCK == 0 and not manual:
         return "splash"
@@ -95,9 +128,11 @@ def describe(kernel: str, *, seq_len: int, dtype, head_dim: int,
     """One start-up line saying what ``attention.impl`` runs in the train step on
     ``backend`` (default: the platform being compiled for, ``sharding.compute_platform``)."""
     backend = compute_platform() if backend is None else backend
+    capability = compute_capability() if backend == "gpu" else None
     chosen = resolve(kernel, backend=backend, seq_len=seq_len, dtype=dtype, head_dim=head_dim,
-                     manual=True)
-    return (f"attention: {chosen} kernel (attention.impl={kernel}; {backend}, "
+                     capability=capability, manual=True)
+    where = f"{backend} {sm(capability)}" if capability else backend
+    return (f"attention: {chosen} kernel (attention.impl={kernel}; {where}, "
             f"{jnp.dtype(dtype).name}, T={seq_len})")
 
 
@@ -127,7 +162,7 @@ _DOCUMENTS: contextvars.ContextVar[Documents | None] = contextvars.ContextVar(
 @contextlib.contextmanager
 def using_kernel(kernel: str, chunk: int = 512) -> Iterator[None]:
     """Within this block (while tracing) the model's attention runs ``kernel``."""
-    check_kernel(kernel, chunk, backend=compute_platform())
+    check_kernel(kernel, chunk, backend=compute_platform(), capability=compute_capability())
     token = _KERNEL.set(KernelChoice(kernel, chunk))
     try:
         yield
@@ -180,17 +215,40 @@ def textbook_attention(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, 
 
 
 def cudnn_attention(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
-                    causal: bool = True, segment_ids: jax.Array | None = None) -> jax.Array:
-    """cuDNN flash attention (GPU, bf16/fp16); documents become a (B, 1, T, S) mask."""
+                    causal: bool = True, segment_ids: jax.Array | None = None,
+                    capability: Capability = None) -> jax.Array:
+    """cuDNN flash attention (GPU, bf16/fp16); documents become a (B, 1, T, S) mask.
+    ``capability``: the GPU's, for its head-dim limit (None: the common 128)."""
     if jnp.dtype(q_bthk.dtype) not in HALF:
         raise ConfigError(f"attention.impl=cudnn: cuDNN flash attention takes bf16/fp16, "
                           f"the compute dtype here is {jnp.dtype(q_bthk.dtype).name}; use "
                           "precision.policy=bf16, or attention.impl=chunked/xla/auto")
+    head_dim, limit = q_bthk.shape[-1], cudnn_max_head_dim(capability)
+    if head_dim % 8 or head_dim > limit:
+        raise ConfigError(f"attention.impl=cudnn: head dim {head_dim} (d_model / num_heads) "
+                          f"must be a multiple of 8 up to {limit} on {sm(capability)} (256 "
+                          "from Hopper, 9.0); change model.num_heads, or use "
+                          "attention.impl=chunked")
     mask = None
     if segment_ids is not None:
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
-    return jax.nn.dot_product_attention(q_bthk, k_bsgk, v_bsgk, mask=mask, is_causal=causal,
-                                        implementation="cudnn")
+    call = lambda q, k, v, m: jax.nn.dot_product_attention(  # noqa: E731
+        q, k, v, mask=m, is_causal=causal, implementation="cudnn")
+    return manual_everywhere(call)(q_bthk, k_bsgk, v_bsgk, mask)
+
+
+def manual_everywhere(f: Callable) -> Callable:
+    """``f`` made manual over the mesh axes that an enclosing shard_map leaves automatic
+    (explicit FSDP's: manual over the batch axes, the others of size 1, so nothing moves).
+    cuDNN's attention is a ``custom_partitioning`` op, whose partitioner fails inside a
+    partly manual shard_map (jax 0.10: an AssertionError from XLA's compile)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not mesh.manual_axes:
+        return f
+    auto = {axis for axis in mesh.axis_names if axis not in mesh.manual_axes}
+    if not auto:
+        return f
+    return jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=auto)
 
 
 def splash_attention(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
@@ -227,10 +285,10 @@ def attend(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
     active = active_kernel()
     kernel = active.kernel if kernel is None else kernel
     chunk = active.chunk if chunk is None else chunk
-    backend = compute_platform()
+    backend, capability = compute_platform(), compute_capability()
     manual = bool(jax.sharding.get_abstract_mesh().manual_axes)
-    chosen = resolve(kernel, backend=backend, seq_len=q_bthk.shape[1],
-                     dtype=q_bthk.dtype, head_dim=q_bthk.shape[-1], manual=manual)
+    chosen = resolve(kernel, backend=backend, seq_len=q_bthk.shape[1], dtype=q_bthk.dtype,
+                     head_dim=q_bthk.shape[-1], capability=capability, manual=manual)
     if chosen == "chunked":
         return chunked_attention(q_bthk, k_bsgk, v_bsgk, causal=causal,
                                  segment_ids=segment_ids, block_q=chunk, block_k=chunk)
@@ -238,6 +296,7 @@ def attend(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
         check_kernel(chosen, chunk, backend=backend)
         return splash_attention(q_bthk, k_bsgk, v_bsgk, causal=causal, segment_ids=segment_ids)
     if chosen == "cudnn":
-        check_kernel(chosen, chunk, backend=backend)
-        return cudnn_attention(q_bthk, k_bsgk, v_bsgk, causal=causal, segment_ids=segment_ids)
+        check_kernel(chosen, chunk, backend=backend, capability=capability)
+        return cudnn_attention(q_bthk, k_bsgk, v_bsgk, causal=causal, segment_ids=segment_ids,
+                               capability=capability)
     return textbook_attention(q_bthk, k_bsgk, v_bsgk, causal=causal, segment_ids=segment_ids)

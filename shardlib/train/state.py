@@ -18,7 +18,7 @@ from shardlib.checkpoint import Target, restore_target
 from shardlib.config import CommConfig, Config, OptimConfig
 from shardlib.config_check import check_ranges
 from shardlib.errors import ConfigError
-from shardlib.mesh import MESH_AXES, make_mesh, platform_of, resolve_degrees
+from shardlib.mesh import MESH_AXES, capability_of, make_mesh, platform_of, resolve_degrees
 from shardlib.models import GPT, check_model
 from shardlib.models.attention import check_kernel
 from shardlib.models.moe import check_moe
@@ -126,7 +126,7 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None) -> Trai
                            num_heads=config.model.num_heads, seq_len=config.train.seq_len)
     check_pipeline(config, sizes)
     check_kernel(config.attention.impl, config.attention.chunk, backend=platform_of(mesh),
-                 train_step=True)
+                 capability=capability_of(mesh), train_step=True)
     comm_lib.check_comm(config.comm, sizes, zero=config.mesh.zero,
                         loss_scaling=policy.loss_scaling)
     rules = sharding.make_rules(config.mesh, sizes, config.rules)
