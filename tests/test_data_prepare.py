@@ -4,6 +4,10 @@ its errors: one clear ShardlibError naming the file, line or field, nothing left
 from __future__ import annotations
 
 import json
+import os
+import sys
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -71,12 +75,38 @@ def test_prepare_counts_split_and_is_a_no_op_when_up_to_date(corpus, tmp_path):
     assert not prepare(inputs, str(root / "tok"), str(out), val_fraction=0.1).up_to_date
 
 
-def test_two_workers_write_the_same_shards_as_one(corpus, tmp_path):
+def forkserver_threads() -> list[int]:
+    """Threads of each fork server this process started (Linux: read from /proc)."""
+    counts = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+            status = (stat.parent / "status").read_text()
+        except (OSError, IndexError, ValueError):  # a process that has just ended
+            continue
+        if ppid == os.getpid() and b"multiprocessing.forkserver" in cmdline:
+            counts.append(int(status.split("Threads:")[1].split()[0]))
+    return counts
+
+
+def test_two_workers_write_the_same_shards_as_one(corpus, tmp_path, monkeypatch):
+    """...and start without forking this process (its threads' locks would be copied in
+    whatever state they are): no os.fork here, no warning about fork, and the fork server
+    that the workers are forked from runs a single thread."""
     root, _, _ = corpus
-    runs = [prepare([str(root / "a.jsonl")], "bytes", str(tmp_path / f"w{n}"), workers=n,
-                    val_fraction=0.1, unit_bytes=4096).manifest for n in (1, 2)]
+    forks = []
+    fork = os.fork
+    monkeypatch.setattr(os, "fork", lambda: forks.append(1) or fork())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runs = [prepare([str(root / "a.jsonl")], "bytes", str(tmp_path / f"w{n}"), workers=n,
+                        val_fraction=0.1, unit_bytes=4096).manifest for n in (1, 2)]
     sums = [[s["checksum"] for s in m["splits"]["train"]["shards"]] for m in runs]
     assert len(sums[0]) > 2 and sums[0] == sums[1]
+    assert forks == [] and [str(w.message) for w in caught if "fork" in str(w.message)] == []
+    if sys.platform == "linux":
+        assert forkserver_threads() == [1]
 
 
 def test_parquet_input(tmp_path):

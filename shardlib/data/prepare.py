@@ -14,29 +14,23 @@ Invalid UTF-8 is replaced (U+FFFD) and counted, never fatal.
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
-import multiprocessing
-import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from shardlib.data import workers as workers_lib
 from shardlib.data.shards import FORMAT, MANIFEST, SPLITS
 from shardlib.data.tokenizer import HFTokenizer, Tokenizer, json_text, load_tokenizer
 from shardlib.errors import ConfigError
-
-try:  # Parquet input is optional: pip install pyarrow
-    import pyarrow.parquet as pq
-except ImportError:  # pragma: no cover
-    pq = None
 
 UNIT_BYTES = 2**20  # text per work unit: big enough to amortise, small enough to balance
 SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -118,16 +112,24 @@ def _line_cuts(path: Path, unit_bytes: int) -> Iterator[tuple[int, int, int]]:
             start, line = stop, line + lines
 
 
+def _parquet(path: Path) -> Any:
+    """``pyarrow.parquet``, imported only for Parquet input: it is optional, and importing
+    it starts a thread (the fork server that starts the workers must have none)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:  # pragma: no cover
+        raise ConfigError(f"--input {path}: reading Parquet needs pyarrow "
+                          "(pip install pyarrow)") from None
+    return pq
+
+
 def make_units(files: Sequence[Path], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
     """Split the input files into work units of about ``unit_bytes`` each."""
     units: list[Unit] = []
     for path in files:
         kind = path.suffix[1:]
         if kind == "parquet":
-            if pq is None:
-                raise ConfigError(f"--input {path}: reading Parquet needs pyarrow "
-                                  "(pip install pyarrow)")
-            groups = pq.ParquetFile(path).num_row_groups
+            groups = _parquet(path).ParquetFile(path).num_row_groups
             pieces = [(g, g + 1, 0) for g in range(groups)]
         else:
             pieces = list(_line_cuts(path, unit_bytes))
@@ -149,7 +151,7 @@ def _decode(raw: bytes) -> tuple[str, int]:
 def unit_texts(unit: Unit, text_field: str) -> tuple[list[str], int]:
     """The unit's documents (a .txt unit is one piece of one document) and replacements."""
     if unit.kind == "parquet":
-        table = pq.ParquetFile(unit.path).read_row_group(unit.start)
+        table = _parquet(Path(unit.path)).ParquetFile(unit.path).read_row_group(unit.start)
         if text_field not in table.column_names:
             raise ConfigError(f"{unit.path}: no column {text_field!r} (columns: "
                               f"{', '.join(table.column_names)}); pass --text-field NAME")
@@ -207,30 +209,12 @@ def _worker_tokenizer(spec: str) -> Tokenizer:
     return _TOKENIZERS[spec]
 
 
-def _quiet_worker() -> None:
-    """One core per worker: the tokenizers library's own thread pool off."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
-
 def _run_units(units: list[Unit], opts: Options, workers: int,
                progress: Callable[[Unit], None]) -> list[dict[str, Any]]:
-    if workers <= 1:
-        results = []
-        for unit in units:
-            results.append(tokenize_unit(unit, opts))
-            progress(unit)
-        return results
-    # fork starts a worker in milliseconds (spawn re-imports shardlib: seconds each); the
-    # workers only run the tokenizer and numpy, never JAX
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    context = multiprocessing.get_context(method)
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_quiet_worker) as pool:
-        futures = [pool.submit(tokenize_unit, u, opts) for u in units]
-        results = []
-        for unit, future in zip(units, futures, strict=True):
-            results.append(future.result())
-            progress(unit)
-        return results
+    """Every unit tokenized, in order: here, or on ``workers`` processes
+    (``data.workers``: forks of a single-threaded fork server, never of this process)."""
+    return workers_lib.run_parallel(functools.partial(tokenize_unit, opts=opts), units,
+                                    workers, lambda i: progress(units[i]), preload=[__name__])
 
 
 def input_fingerprint(files: Sequence[Path], tokenizer: Tokenizer, text_field: str,
@@ -304,6 +288,8 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str, *, text_field: str 
     ``progress(done_bytes, total_bytes)`` is called as units finish."""
     root = Path(out).expanduser().absolute()
     _check_options(root, val_fraction, workers)
+    if workers > 1:
+        workers_lib.start_server([__name__])  # it imports shardlib while this one goes on
     files = expand_inputs(inputs)
     tok = load_tokenizer(tokenizer)
     fingerprint = input_fingerprint(files, tok, text_field, val_fraction)
