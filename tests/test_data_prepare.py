@@ -22,6 +22,7 @@ from shardlib.data import (
     segments,
     train_tokenizer,
 )
+from shardlib.data.prepare import describe
 from shardlib.errors import ConfigError
 
 WORDS = ["alpha", "beta", "gamma", "delta", "shard", "mesh", "token", "über", "naïve"]
@@ -109,6 +110,34 @@ def test_two_workers_write_the_same_shards_as_one(corpus, tmp_path, monkeypatch)
         assert forkserver_threads() == [1]
 
 
+def test_few_documents_hold_out_their_last_tokens(tmp_path):
+    """114 documents at the default --val-fraction 0.01: about one would be held out whole
+    (none, a third of the time), so the split holds out the last 1% of the tokens, and the
+    CLI line says so and how far eval reaches."""
+    texts = write_jsonl(tmp_path / "few.jsonl", 114, seed=3)
+    inputs = [str(tmp_path / "few.jsonl")]
+    result = prepare(inputs, "bytes", str(tmp_path / "ds"), unit_bytes=4096)
+    m, total = result.manifest, sum(len(t.encode()) + 1 for t in texts)
+    train, val = m["splits"]["train"], m["splits"]["val"]
+    assert m["val_split"] == "tokens" and val["num_tokens"] == round(total * 0.01)
+    assert train["num_docs"] + val["num_docs"] == 114 and val["num_docs"] <= 2
+    assert abs(val["num_bytes"] - (val["num_tokens"] - val["num_docs"])) <= 3  # a cut UTF-8 char
+    whole = prepare(inputs, "bytes", str(tmp_path / "all"), val_fraction=0, unit_bytes=4096)
+    stream = lambda path, names: np.concatenate(
+        [np.asarray(s.tokens) for name in names for s in open_dataset(str(path)).split(name)])
+    np.testing.assert_array_equal(stream(result.path, ["train", "val"]),
+                                  stream(whole.path, ["train"]))  # the tail, cut off
+    rows = sum((s["num_tokens"] - 1) // 128 for s in val["shards"])
+    longest = max(s["num_tokens"] for s in val["shards"]) - 1
+    assert describe(result).splitlines()[-1] == (
+        "val split: the last 1.00% of tokens: 114 documents are too few to hold out whole "
+        "ones (~1.1 would fall in it; --val-split documents does it anyway); eval has "
+        f"{rows:,} rows at --seq-len 128 and runs with --seq-len up to {longest:,}")
+    many = prepare(inputs, "bytes", str(tmp_path / "docs"), val_fraction=0.2, unit_bytes=4096)
+    assert many.manifest["val_split"] == "documents"  # ~23 documents held out whole
+    assert "whole documents, ~23 of 114" in describe(many)
+
+
 def test_parquet_input(tmp_path):
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
@@ -143,8 +172,15 @@ def test_missing_empty_and_too_small_inputs(tmp_path):
         prepare([str(tmp_path / "empty.txt")], "bytes", str(tmp_path / "ds"))
     (tmp_path / "one.txt").write_text("a single document")
     with pytest.raises(ConfigError, match="no document of 1 fell in the validation split"):
-        prepare([str(tmp_path / "one.txt")], "bytes", str(tmp_path / "ds"), val_fraction=0.01)
+        prepare([str(tmp_path / "one.txt")], "bytes", str(tmp_path / "ds"), val_fraction=0.01,
+                val_split="documents")
     assert not (tmp_path / "ds").exists()
+    with pytest.raises(ConfigError, match="--val-split 'words': must be one of auto, "):
+        prepare([str(tmp_path / "one.txt")], "bytes", str(tmp_path / "ds"), val_split="words")
+    one = prepare([str(tmp_path / "one.txt")], "bytes", str(tmp_path / "ds"))
+    assert one.manifest["splits"]["val"]["num_tokens"] == 1  # the last of 18 tokens
+    assert describe(one).endswith("too small for eval: raise --val-fraction, or train with "
+                                  "--eval-every 0")
     with pytest.raises(ConfigError, match="--vocab-size 100: must be >= 257"):
         train_tokenizer([str(tmp_path / "one.txt")], 100, str(tmp_path / "t.json"))
 
@@ -190,8 +226,10 @@ def test_cli_prepare_and_tokenizer_train(corpus, tmp_path, capsys):
     args = ["data", "prepare", "--input", str(root / "*.jsonl"), "--tokenizer",
             str(tmp_path / "tok.json"), "--out", str(tmp_path / "ds"), "--val-fraction", "0.1"]
     assert main(args) == 0 and main(args) == 0
-    out = capsys.readouterr().out
-    assert "vocab 280" in out and "up to date" in out.splitlines()[-1]
+    out = capsys.readouterr().out.splitlines()
+    assert "vocab 280" in out[0] and "up to date" in out[-2]
+    assert out[-1].startswith("val split: whole documents, ~30 of 300 held out by a hash; "
+                              "eval has ")
     assert main(["data", "prepare", "--input", str(tmp_path / "x.jsonl"), "--out",
                  str(tmp_path / "ds2")]) == 2
     assert "x.jsonl: no such file" in capsys.readouterr().err

@@ -27,8 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from shardlib.config import TrainConfig
+from shardlib.data import split as split_lib
 from shardlib.data import workers as workers_lib
-from shardlib.data.shards import FORMAT, MANIFEST, SPLITS
+from shardlib.data.shards import FORMAT, MANIFEST, SPLITS, write_shard
 from shardlib.data.tokenizer import HFTokenizer, Tokenizer, json_text, load_tokenizer
 from shardlib.errors import ConfigError
 
@@ -47,14 +49,15 @@ class Unit:
     stop: int
     first_line: int  # 1-based line number of ``start`` (jsonl error messages)
     ends_file: bool  # the last unit of its file (a .txt document ends here)
+    docs: int  # documents that end here (jsonl: lines, a blank one counted)
 
 
 @dataclass(frozen=True)
 class Options:
-    """Settings of one ``data prepare`` run."""
+    """Settings of one ``data prepare`` run, as its workers need them."""
     tokenizer: str
     text_field: str
-    val_fraction: float
+    val_fraction: float  # of documents, held out by a hash (0 with the token split)
     dtype: str
     out: str
 
@@ -98,8 +101,8 @@ def expand_inputs(patterns: Sequence[str]) -> list[Path]:
     return unique
 
 
-def _line_cuts(path: Path, unit_bytes: int) -> Iterator[tuple[int, int, int]]:
-    """(start, stop, first line) ranges of ~unit_bytes ending at line ends."""
+def _line_cuts(path: Path, unit_bytes: int) -> Iterator[tuple[int, int, int, int]]:
+    """(start, stop, first line, lines) ranges of ~unit_bytes ending at line ends."""
     start, line, size = 0, 1, path.stat().st_size
     with path.open("rb") as file:
         while start < size:
@@ -107,8 +110,9 @@ def _line_cuts(path: Path, unit_bytes: int) -> Iterator[tuple[int, int, int]]:
             file.readline()  # to the end of the line the cut falls in
             stop = min(file.tell(), size)
             file.seek(start)
-            lines = file.read(stop - start).count(b"\n")
-            yield start, stop, line
+            text = file.read(stop - start)
+            lines = text.count(b"\n")
+            yield start, stop, line, lines + (not text.endswith(b"\n"))
             start, line = stop, line + lines
 
 
@@ -129,13 +133,15 @@ def make_units(files: Sequence[Path], unit_bytes: int = UNIT_BYTES) -> list[Unit
     for path in files:
         kind = path.suffix[1:]
         if kind == "parquet":
-            groups = _parquet(path).ParquetFile(path).num_row_groups
-            pieces = [(g, g + 1, 0) for g in range(groups)]
+            meta = _parquet(path).ParquetFile(path).metadata
+            pieces = [(g, g + 1, 0, meta.row_group(g).num_rows)
+                      for g in range(meta.num_row_groups)]
         else:
             pieces = list(_line_cuts(path, unit_bytes))
-        for i, (start, stop, line) in enumerate(pieces):
-            units.append(Unit(len(units), str(path), kind, start, stop, line,
-                              i == len(pieces) - 1))
+        for i, (start, stop, line, lines) in enumerate(pieces):
+            last = i == len(pieces) - 1
+            docs = lines if kind != "txt" else int(last)  # a .txt file is one document
+            units.append(Unit(len(units), str(path), kind, start, stop, line, last, docs))
     return units
 
 
@@ -172,14 +178,6 @@ def in_val(unit: int, doc: int, fraction: float) -> bool:
     return int.from_bytes(digest, "little") / 2**64 < fraction
 
 
-def _write_split(out: Path, name: str, docs: list[np.ndarray], dtype: str) -> dict[str, Any]:
-    tokens = np.concatenate(docs).astype(dtype, copy=False)
-    tokens.tofile(out / f"{name}.bin")
-    np.cumsum([len(d) for d in docs], dtype=np.uint64).tofile(out / f"{name}.docs")
-    return {"tokens": f"{name}.bin", "docs": f"{name}.docs", "num_tokens": int(tokens.size),
-            "num_docs": len(docs), "checksum": hashlib.sha256(tokens.tobytes()).hexdigest()[:16]}
-
-
 def tokenize_unit(unit: Unit, opts: Options) -> dict[str, Any]:
     """Tokenize one unit (one document at a time: a worker uses one core) and write its
     train/val shards; returns their manifest entries."""
@@ -195,7 +193,7 @@ def tokenize_unit(unit: Unit, opts: Options) -> dict[str, Any]:
     out = {"replaced": replaced}
     for name in SPLITS:
         if docs[name]:
-            entry = _write_split(Path(opts.out), f"{name}-{unit.index:05d}", docs[name], opts.dtype)
+            entry = write_shard(Path(opts.out), f"{name}-{unit.index:05d}", docs[name], opts.dtype)
             out[name] = {**entry, "num_bytes": nbytes[name], "ends_doc": eod.size > 0}
     return out
 
@@ -218,34 +216,36 @@ def _run_units(units: list[Unit], opts: Options, workers: int,
 
 
 def input_fingerprint(files: Sequence[Path], tokenizer: Tokenizer, text_field: str,
-                      val_fraction: float) -> str:
+                      val_fraction: float, val_split: str = "auto") -> str:
     """What a prepared dataset was made from: a re-run with the same is a no-op."""
     stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    key = json.dumps([FORMAT, stats, tokenizer.fingerprint, text_field, val_fraction])
+    key = json.dumps([FORMAT, stats, tokenizer.fingerprint, text_field, val_fraction,
+                      val_split])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _summarize(results: list[dict[str, Any]], name: str) -> dict[str, Any]:
     shards = [r[name] for r in results if name in r]
     return {"shards": shards, "num_tokens": sum(s["num_tokens"] for s in shards),
-            "num_docs": sum(s["num_docs"] for s in shards if s["ends_doc"]),
+            "num_docs": sum(s["num_docs"] - (not s["ends_doc"]) for s in shards),
             "num_bytes": sum(s["num_bytes"] for s in shards)}
 
 
 def _manifest(results: list[dict[str, Any]], tokenizer: Tokenizer, opts: Options,
-              files: Sequence[Path], fingerprint: str) -> dict[str, Any]:
+              files: Sequence[Path], fingerprint: str, val: dict[str, Any]) -> dict[str, Any]:
+    """The manifest; ``val`` holds ``val_fraction``, ``val_split`` and its reason."""
     splits = {name: _summarize(results, name) for name in SPLITS}
     if splits["train"]["num_tokens"] == 0:
         raise ConfigError("--input: no text in the inputs (every document is empty)")
     if opts.val_fraction > 0 and splits["val"]["num_tokens"] == 0:
         docs = splits["train"]["num_docs"]
         raise ConfigError(f"--val-fraction {opts.val_fraction}: no document of {docs} fell in "
-                          "the validation split; add documents, raise it, or pass 0")
+                          "the validation split; add documents, raise it, pass "
+                          "--val-split tokens, or pass 0")
     return {"format": FORMAT, "fingerprint": fingerprint, "dtype": opts.dtype,
             "tokenizer": {"name": tokenizer.name, "fingerprint": tokenizer.fingerprint,
                           "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id},
-            "text_field": opts.text_field, "val_fraction": opts.val_fraction,
-            "inputs": [str(p) for p in files],
+            "text_field": opts.text_field, **val, "inputs": [str(p) for p in files],
             "replaced_utf8": sum(r["replaced"] for r in results), "splits": splits}
 
 
@@ -281,18 +281,20 @@ def _check_options(out: Path, val_fraction: float, workers: int) -> None:
 
 
 def prepare(inputs: Sequence[str], tokenizer: str, out: str, *, text_field: str = "text",
-            val_fraction: float = 0.01, workers: int = 1,
+            val_fraction: float = 0.01, val_split: str = "auto", workers: int = 1,
             progress: Callable[[int, int], None] | None = None,
             unit_bytes: int = UNIT_BYTES) -> Prepared:
-    """Tokenize ``inputs`` into a prepared dataset at ``out`` (see the module docstring).
+    """Tokenize ``inputs`` into a prepared dataset at ``out`` (see the module docstring),
+    ``val_fraction`` held out as ``val_split`` says (``data.split``).
     ``progress(done_bytes, total_bytes)`` is called as units finish."""
     root = Path(out).expanduser().absolute()
     _check_options(root, val_fraction, workers)
+    split_lib.resolve(val_split, 0, val_fraction)  # a bad mode fails before any work
     if workers > 1:
         workers_lib.start_server([__name__])  # it imports shardlib while this one goes on
     files = expand_inputs(inputs)
     tok = load_tokenizer(tokenizer)
-    fingerprint = input_fingerprint(files, tok, text_field, val_fraction)
+    fingerprint = input_fingerprint(files, tok, text_field, val_fraction, val_split)
     if (root / MANIFEST).is_file():
         manifest = json.loads((root / MANIFEST).read_text())
         if manifest.get("fingerprint") == fingerprint:
@@ -302,8 +304,13 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str, *, text_field: str 
     shutil.rmtree(partial, ignore_errors=True)  # an interrupted run: start clean
     partial.mkdir()
     dtype = "uint16" if tok.vocab_size <= 2**16 else "uint32"
-    opts = Options(tokenizer or "bytes", text_field, val_fraction, dtype, str(partial))
     units = make_units(files, unit_bytes)
+    docs = sum(u.docs for u in units)
+    split = split_lib.resolve(val_split, docs, val_fraction)
+    opts = Options(tokenizer or "bytes", text_field,
+                   val_fraction if split == "documents" else 0.0, dtype, str(partial))
+    val = {"val_fraction": val_fraction, "val_split": split,
+           "val_split_reason": split_lib.reason(split, docs, val_fraction)}
     total, done = sum(p.stat().st_size for p in files), [0]
 
     def advance(unit: Unit) -> None:
@@ -314,7 +321,9 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str, *, text_field: str 
 
     try:
         results = _run_units(units, opts, workers, advance)
-        manifest = _manifest(results, tok, opts, files, fingerprint)
+        if split == "tokens":
+            split_lib.hold_out_tail(results, partial, val_fraction, tok, dtype)
+        manifest = _manifest(results, tok, opts, files, fingerprint, val)
         _copy_tokenizer(tok, partial)
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _swap_into_place(partial, root)
@@ -324,14 +333,17 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str, *, text_field: str 
     return Prepared(root, False, manifest, time.perf_counter() - started, total)
 
 
-def describe(result: Prepared) -> str:
-    """One line about a prepared dataset, for the CLI."""
+def describe(result: Prepared, seq_len: int = TrainConfig.seq_len) -> str:
+    """Two lines about a prepared dataset, for the CLI: what it holds, then how its
+    validation split was made and whether eval can run on it (at ``seq_len``; up to which)."""
     m = result.manifest
     train, val = m["splits"]["train"], m["splits"]["val"]
     head = f"{result.path}: up to date" if result.up_to_date else (
         f"prepared {result.input_bytes / 2**20:.1f} MB in {result.seconds:.1f} s "
         f"({result.mb_per_s:.1f} MB/s) -> {result.path}")
+    how = m.get("val_split_reason", "whole documents")
     return (f"{head}; train {train['num_tokens']:,} tokens in {train['num_docs']:,} docs, "
             f"val {val['num_tokens']:,} tokens; tokenizer {m['tokenizer']['name']} "
             f"(vocab {m['tokenizer']['vocab_size']}), {m['dtype']}, "
-            f"{m['replaced_utf8']} invalid UTF-8 bytes replaced")
+            f"{m['replaced_utf8']} invalid UTF-8 bytes replaced\n"
+            f"val split: {how}; {split_lib.eval_reach(val['shards'], seq_len)}")
