@@ -52,11 +52,15 @@ class TrainResult:
 
 def evaluate(eval_step, params, val: data_lib.Batches | data_lib.Loader, setup: TrainSetup,
              count: int) -> float:
-    """Mean loss over ``count`` held-out batches (of a corpus, or a loader's val split)."""
-    batch = val.val_batch if isinstance(val, data_lib.Loader) else \
-        (lambda i: data_lib.global_batch(val, i, setup.batch_sharding))
-    losses = [eval_step(params, batch(i)) for i in range(count)]
-    return float(np.mean(jax.device_get(losses)))
+    """Mean loss per token over ``count`` held-out batches of a corpus, or over a loader's
+    val split (``Loader.eval_batches``: all of it when it holds fewer rows)."""
+    if isinstance(val, data_lib.Loader):
+        batches = val.eval_batches(count)
+    else:
+        batches = [(data_lib.global_batch(val, i, setup.batch_sharding), val.batch_size)
+                   for i in range(count)]
+    losses = jax.device_get([eval_step(params, batch) for batch, _ in batches])
+    return float(np.average(losses, weights=[rows for _, rows in batches]))
 
 
 def _rows(pending: list[tuple[int, dict]], since: float, tokens: int) -> list[dict[str, Any]]:
@@ -147,10 +151,12 @@ def _loader(setup: TrainSetup, source: data_lib.Source, state: TrainState,
     return loader
 
 
-def _eval_row(row: dict[str, Any], loss: float, loader: data_lib.Loader) -> None:
-    """Eval loss (nats per token) and bits per byte of text (comparable across tokenizers)."""
+def _eval_row(row: dict[str, Any], loss: float, loader: data_lib.Loader, count: int) -> None:
+    """Eval loss (nats per token), bits per byte of text (comparable across tokenizers)
+    and the held-out rows it averages."""
     row["eval_loss"] = loss
     row["eval_bits_per_byte"] = loss * loader.source.tokens_per_byte / math.log(2)
+    row["eval_rows"] = loader.eval_rows(count)
 
 
 def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Reporter,
@@ -216,7 +222,7 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
             if do_eval and halt is None:
                 with timeline.phase("eval"):
                     _eval_row(rows[-1], evaluate(eval_step, state.params, loader, setup,
-                                                 tc.eval_batches), loader)
+                                                 tc.eval_batches), loader, tc.eval_batches)
             if adapt is not None:
                 adapt.annotate(rows)
             if due and halt is None:
@@ -354,6 +360,7 @@ def summarize(history: list[dict[str, Any]], compile_s: float, total_s: float) -
         "final_loss": history[-1]["loss"],
         "eval_loss": evals[-1]["eval_loss"] if evals else None,
         "eval_bits_per_byte": evals[-1].get("eval_bits_per_byte") if evals else None,
+        "eval_rows": evals[-1].get("eval_rows") if evals else None,  # held-out rows averaged
         "tokens_per_sec": float(np.median([r["tokens_per_sec"] for r in steady])),
         "step_time_s": float(np.median([r["step_time_s"] for r in steady])),
         "compile_time_s": compile_s, "total_time_s": total_s,
