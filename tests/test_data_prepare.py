@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,10 +20,13 @@ from shardlib.data import (
     open_dataset,
     prepare,
     segments,
+    tokenize_units,
     train_tokenizer,
 )
-from shardlib.data.prepare import describe
-from shardlib.errors import ConfigError
+from shardlib.data.prepare import describe, make_units
+from shardlib.data.tokenize_units import Options
+from shardlib.data.workers import run_parallel
+from shardlib.errors import ConfigError, ShardlibError
 
 WORDS = ["alpha", "beta", "gamma", "delta", "shard", "mesh", "token", "über", "naïve"]
 
@@ -76,25 +79,9 @@ def test_prepare_counts_split_and_is_a_no_op_when_up_to_date(corpus, tmp_path):
     assert not prepare(inputs, str(root / "tok"), str(out), val_fraction=0.1).up_to_date
 
 
-def forkserver_threads() -> list[int]:
-    """Threads of each fork server this process started (Linux: read from /proc)."""
-    counts = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes()
-            status = (stat.parent / "status").read_text()
-        except (OSError, IndexError, ValueError):  # a process that has just ended
-            continue
-        if ppid == os.getpid() and b"multiprocessing.forkserver" in cmdline:
-            counts.append(int(status.split("Threads:")[1].split()[0]))
-    return counts
-
-
 def test_two_workers_write_the_same_shards_as_one(corpus, tmp_path, monkeypatch):
-    """...and start without forking this process (its threads' locks would be copied in
-    whatever state they are): no os.fork here, no warning about fork, and the fork server
-    that the workers are forked from runs a single thread."""
+    """...and start as fresh interpreters, never as forks of this process (its threads'
+    locks would be copied in whatever state they are): no os.fork, no warning about it."""
     root, _, _ = corpus
     forks = []
     fork = os.fork
@@ -106,8 +93,27 @@ def test_two_workers_write_the_same_shards_as_one(corpus, tmp_path, monkeypatch)
     sums = [[s["checksum"] for s in m["splits"]["train"]["shards"]] for m in runs]
     assert len(sums[0]) > 2 and sums[0] == sums[1]
     assert forks == [] and [str(w.message) for w in caught if "fork" in str(w.message)] == []
-    if sys.platform == "linux":
-        assert forkserver_threads() == [1]
+
+
+def test_a_worker_imports_nothing_of_shardlib():
+    """A worker is a fresh interpreter, so it must start in a fraction of a second: the
+    module it runs imports numpy and tokenizers, never shardlib (and with it JAX)."""
+    code = ("import runpy, sys; runpy.run_path(sys.argv[1]); "
+            "print([m for m in ('shardlib', 'jax', 'flax', 'orbax') if m in sys.modules])")
+    run = subprocess.run([sys.executable, "-P", "-c", code, tokenize_units.__file__],
+                         capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]"
+
+
+def test_a_failing_worker_is_one_clear_error(corpus, tmp_path):
+    """Not bad input but a failure (here the output directory is gone): a ShardlibError
+    naming the file, the workers stopped and waited for."""
+    root, _, _ = corpus
+    units = make_units([root / "a.jsonl"], 4096)
+    opts = Options("", 0, "text", 0.0, "uint16", str(tmp_path / "gone"))
+    with pytest.raises(ShardlibError, match=r"a\.jsonl \(unit \d+\) failed in a worker "
+                       r"process: FileNotFoundError"):
+        run_parallel(units, opts, 2, lambda i: None)
 
 
 def test_few_documents_hold_out_their_last_tokens(tmp_path):
@@ -151,16 +157,21 @@ def test_parquet_input(tmp_path):
         prepare([str(tmp_path / "t.parquet")], "bytes", str(tmp_path / "ds2"))
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"text": "ok"}\n{"text": "fine"}\nnot json\n', r"bad\.jsonl:3: not valid JSON"),
-    ('{"text": "ok"}\n{"body": "x"}\n', r"bad\.jsonl:2: no string field 'text'.*--text-field"),
+@pytest.mark.parametrize("content, message, workers", [
+    ('{"text": "ok"}\n{"text": "fine"}\nnot json\n', r"bad\.jsonl:3: not valid JSON", 1),
+    ('{"text": "ok"}\n{"body": "x"}\n', r"bad\.jsonl:2: no string field 'text'.*--text-field",
+     1),
+    ('{"text": "ok"}\n{"text": "fine"}\nnot json\n', r"bad\.jsonl:3: not valid JSON", 2),
 ])
-def test_bad_jsonl_names_the_line_and_leaves_nothing(tmp_path, content, message):
+def test_bad_jsonl_names_the_line_and_leaves_nothing(tmp_path, content, message, workers):
+    """With 2 workers the bad file comes first: a worker meets it, this process learns it."""
     write_jsonl(tmp_path / "good.jsonl", 50)
     (tmp_path / "bad.jsonl").write_text(content)
     inputs = [str(tmp_path / "good.jsonl"), str(tmp_path / "bad.jsonl")]
+    if workers > 1:
+        inputs.reverse()
     with pytest.raises(ConfigError, match=message):
-        prepare(inputs, "bytes", str(tmp_path / "ds"), unit_bytes=512)
+        prepare(inputs, "bytes", str(tmp_path / "ds"), unit_bytes=512, workers=workers)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl"]
 
 

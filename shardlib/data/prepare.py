@@ -1,6 +1,6 @@
 """``shardlib data prepare``: text, JSON Lines and Parquet files -> token shards.
 
-The inputs are cut into work units (~8 MB byte ranges at line ends, or Parquet row
+The inputs are cut into work units (~1 MB byte ranges at line ends, or Parquet row
 groups); worker processes tokenize units in parallel, end every document with the EOD
 token and write each unit as its own shard (``shardlib.data.shards``). Each document
 goes to the train or validation split by a hash of its place, so the split does not
@@ -14,52 +14,27 @@ Invalid UTF-8 is replaced (U+FFFD) and counted, never fatal.
 
 from __future__ import annotations
 
-import functools
 import glob
 import hashlib
 import json
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from shardlib.config import TrainConfig
 from shardlib.data import split as split_lib
 from shardlib.data import workers as workers_lib
-from shardlib.data.shards import FORMAT, MANIFEST, SPLITS, write_shard
-from shardlib.data.tokenizer import HFTokenizer, Tokenizer, json_text, load_tokenizer
+from shardlib.data.shards import FORMAT, MANIFEST, SPLITS
+from shardlib.data.tokenize_units import InputError, Options, Unit, parquet, tokenize_unit
+from shardlib.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from shardlib.errors import ConfigError
 
 UNIT_BYTES = 2**20  # text per work unit: big enough to amortise, small enough to balance
 SUFFIXES = (".txt", ".jsonl", ".parquet")
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One piece of work: a byte range of a text file, or one Parquet row group."""
-
-    index: int
-    path: str
-    kind: str  # txt | jsonl | parquet
-    start: int  # byte offset (row group for parquet)
-    stop: int
-    first_line: int  # 1-based line number of ``start`` (jsonl error messages)
-    ends_file: bool  # the last unit of its file (a .txt document ends here)
-    docs: int  # documents that end here (jsonl: lines, a blank one counted)
-
-
-@dataclass(frozen=True)
-class Options:
-    """Settings of one ``data prepare`` run, as its workers need them."""
-    tokenizer: str
-    text_field: str
-    val_fraction: float  # of documents, held out by a hash (0 with the token split)
-    dtype: str
-    out: str
 
 
 @dataclass
@@ -116,15 +91,13 @@ def _line_cuts(path: Path, unit_bytes: int) -> Iterator[tuple[int, int, int, int
             start, line = stop, line + lines
 
 
-def _parquet(path: Path) -> Any:
-    """``pyarrow.parquet``, imported only for Parquet input: it is optional, and importing
-    it starts a thread (the fork server that starts the workers must have none)."""
+@contextmanager
+def _input_errors() -> Iterator[None]:
+    """The workers' InputError (a file, line or field) as the ConfigError users see."""
     try:
-        import pyarrow.parquet as pq
-    except ImportError:  # pragma: no cover
-        raise ConfigError(f"--input {path}: reading Parquet needs pyarrow "
-                          "(pip install pyarrow)") from None
-    return pq
+        yield
+    except InputError as err:
+        raise ConfigError(str(err)) from None
 
 
 def make_units(files: Sequence[Path], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
@@ -133,7 +106,8 @@ def make_units(files: Sequence[Path], unit_bytes: int = UNIT_BYTES) -> list[Unit
     for path in files:
         kind = path.suffix[1:]
         if kind == "parquet":
-            meta = _parquet(path).ParquetFile(path).metadata
+            with _input_errors():
+                meta = parquet(str(path)).ParquetFile(path).metadata
             pieces = [(g, g + 1, 0, meta.row_group(g).num_rows)
                       for g in range(meta.num_row_groups)]
         else:
@@ -145,74 +119,18 @@ def make_units(files: Sequence[Path], unit_bytes: int = UNIT_BYTES) -> list[Unit
     return units
 
 
-def _decode(raw: bytes) -> tuple[str, int]:
-    """Text and the number of invalid UTF-8 bytes replaced."""
-    try:
-        return raw.decode("utf-8"), 0
-    except UnicodeDecodeError:
-        text = raw.decode("utf-8", errors="replace")
-        return text, text.count("\ufffd") - raw.count("\ufffd".encode())
-
-
-def unit_texts(unit: Unit, text_field: str) -> tuple[list[str], int]:
-    """The unit's documents (a .txt unit is one piece of one document) and replacements."""
-    if unit.kind == "parquet":
-        table = _parquet(Path(unit.path)).ParquetFile(unit.path).read_row_group(unit.start)
-        if text_field not in table.column_names:
-            raise ConfigError(f"{unit.path}: no column {text_field!r} (columns: "
-                              f"{', '.join(table.column_names)}); pass --text-field NAME")
-        return [t if isinstance(t, str) else "" for t in table.column(text_field).to_pylist()], 0
-    with open(unit.path, "rb") as file:
-        file.seek(unit.start)
-        text, replaced = _decode(file.read(unit.stop - unit.start))
-    if unit.kind == "txt":
-        return [text], replaced
-    docs = [json_text(line, text_field, f"{unit.path}:{unit.first_line + i}")
-            for i, line in enumerate(text.split("\n")) if line.strip()]
-    return docs, replaced
-
-
-def in_val(unit: int, doc: int, fraction: float) -> bool:
-    """Whether document ``doc`` of ``unit`` is held out: a hash, so it is stable."""
-    digest = hashlib.blake2b(f"{unit}:{doc}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < fraction
-
-
-def tokenize_unit(unit: Unit, opts: Options) -> dict[str, Any]:
-    """Tokenize one unit (one document at a time: a worker uses one core) and write its
-    train/val shards; returns their manifest entries."""
-    tokenizer = _worker_tokenizer(opts.tokenizer)
-    texts, replaced = unit_texts(unit, opts.text_field)
-    eod = np.array([tokenizer.eod_id] if unit.kind != "txt" or unit.ends_file else [], opts.dtype)
-    docs: dict[str, list[np.ndarray]] = {"train": [], "val": []}
-    nbytes = {"train": 0, "val": 0}
-    for i, text in enumerate(texts):
-        name = "val" if in_val(unit.index, i, opts.val_fraction) else "train"
-        docs[name].append(np.concatenate([np.asarray(tokenizer.encode(text), opts.dtype), eod]))
-        nbytes[name] += len(text.encode("utf-8"))
-    out = {"replaced": replaced}
-    for name in SPLITS:
-        if docs[name]:
-            entry = write_shard(Path(opts.out), f"{name}-{unit.index:05d}", docs[name], opts.dtype)
-            out[name] = {**entry, "num_bytes": nbytes[name], "ends_doc": eod.size > 0}
-    return out
-
-
-_TOKENIZERS: dict[str, Tokenizer] = {}
-
-
-def _worker_tokenizer(spec: str) -> Tokenizer:
-    if spec not in _TOKENIZERS:
-        _TOKENIZERS[spec] = load_tokenizer(spec)
-    return _TOKENIZERS[spec]
-
-
 def _run_units(units: list[Unit], opts: Options, workers: int,
                progress: Callable[[Unit], None]) -> list[dict[str, Any]]:
     """Every unit tokenized, in order: here, or on ``workers`` processes
-    (``data.workers``: forks of a single-threaded fork server, never of this process)."""
-    return workers_lib.run_parallel(functools.partial(tokenize_unit, opts=opts), units,
-                                    workers, lambda i: progress(units[i]), preload=[__name__])
+    (``shardlib.data.workers``: fresh interpreters, never forks of this one)."""
+    with _input_errors():
+        if workers > 1:
+            return workers_lib.run_parallel(units, opts, workers, lambda i: progress(units[i]))
+        results = []
+        for unit in units:
+            results.append(tokenize_unit(unit, opts))
+            progress(unit)
+        return results
 
 
 def input_fingerprint(files: Sequence[Path], tokenizer: Tokenizer, text_field: str,
@@ -290,8 +208,6 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str, *, text_field: str 
     root = Path(out).expanduser().absolute()
     _check_options(root, val_fraction, workers)
     split_lib.resolve(val_split, 0, val_fraction)  # a bad mode fails before any work
-    if workers > 1:
-        workers_lib.start_server([__name__])  # it imports shardlib while this one goes on
     files = expand_inputs(inputs)
     tok = load_tokenizer(tokenizer)
     fingerprint = input_fingerprint(files, tok, text_field, val_fraction, val_split)
@@ -307,7 +223,7 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str, *, text_field: str 
     units = make_units(files, unit_bytes)
     docs = sum(u.docs for u in units)
     split = split_lib.resolve(val_split, docs, val_fraction)
-    opts = Options(tokenizer or "bytes", text_field,
+    opts = Options(str(tok.path) if isinstance(tok, HFTokenizer) else "", tok.eod_id, text_field,
                    val_fraction if split == "documents" else 0.0, dtype, str(partial))
     val = {"val_fraction": val_fraction, "val_split": split,
            "val_split_reason": split_lib.reason(split, docs, val_fraction)}

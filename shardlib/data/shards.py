@@ -30,16 +30,6 @@ MANIFEST = "manifest.json"
 SPLITS = ("train", "val")
 
 
-def write_shard(out: Path, name: str, docs: list[np.ndarray], dtype: str) -> dict[str, Any]:
-    """Write documents as ``name.bin`` (their tokens, concatenated) and ``name.docs``
-    (each one's end offset); returns the shard's manifest entry, less bytes and ends."""
-    tokens = np.concatenate(docs).astype(dtype, copy=False)
-    tokens.tofile(out / f"{name}.bin")
-    np.cumsum([len(d) for d in docs], dtype=np.uint64).tofile(out / f"{name}.docs")
-    return {"tokens": f"{name}.bin", "docs": f"{name}.docs", "num_tokens": int(tokens.size),
-            "num_docs": len(docs), "checksum": hashlib.sha256(tokens.tobytes()).hexdigest()[:16]}
-
-
 def is_prepared(path: str) -> bool:
     """Whether ``path`` is a prepared dataset directory (it has a manifest)."""
     return bool(path) and (Path(path) / MANIFEST).is_file()

@@ -1,6 +1,6 @@
 """The validation split of ``data prepare``: whole documents, or the last tokens.
 
-``documents`` holds out each document by a hash of its place (``prepare.in_val``), so no
+``documents`` holds out each document by a hash of its place (``tokenize_units.in_val``), so no
 text of a validation document is trained on; but the split's size is luck when documents
 are few: of 114 documents at ``--val-fraction 0.01`` about one falls in it, and none a
 third of the time. ``tokens`` holds out the last ``val_fraction`` of the token stream
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from shardlib.data.shards import write_shard
+from shardlib.data.tokenize_units import write_shard
 from shardlib.data.tokenizer import Tokenizer
 from shardlib.errors import ConfigError
 

@@ -1,144 +1,129 @@
-"""Worker processes for ``data prepare``, started without ``fork``.
+"""Worker processes for ``data prepare --workers N``: fresh interpreters, never forks.
 
-Why not ``fork``: the parent already runs threads (OpenBLAS's pool, pyarrow's, JAX's
-once it has started), and a forked child inherits their locks in whatever state they
-were; Python 3.12 warns about it, JAX warns about it, and Python 3.14 no longer uses it by
-default. Here workers are forks of a *fork server*: a fresh interpreter, started before
-the work and kept single-threaded (BLAS and tokenizer pools pinned to one thread), that
-imports the worker's module once; forking it takes milliseconds, where a ``spawn``ed
-worker would import shardlib again (seconds each). Where there is no fork server
-(Windows), workers are spawned. While the first workers start, the parent tokenizes
-units itself, from the end of the list.
+A forked child copies its parent mid-flight: the locks of the parent's threads
+(OpenBLAS's pool, pyarrow's, JAX's once started) in whatever state they were; Python
+3.12 warns about it, JAX warns about it, and Python 3.14 no longer forks by default. A
+``spawn``ed or fork-server worker is safe but imports shardlib, and with it JAX, flax
+and orbax: about 2 s of CPU each. Here each worker is a small program,
+``tokenize_units.py``, started with ``python -P`` (nothing from the current directory
+or the script's own on ``sys.path``), that imports only numpy and ``tokenizers``
+(about 0.1 s): it reads units on stdin and answers a JSON line per unit. A thread per
+worker feeds it the next unit as soon as it answers.
 """
 
 from __future__ import annotations
 
-import multiprocessing
+import contextlib
+import dataclasses
+import json
 import os
+import queue
+import subprocess
+import sys
+import tempfile
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
-from contextlib import contextmanager
-from multiprocessing import forkserver
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any
 
-Item = TypeVar("Item")
+from shardlib.data import tokenize_units
+from shardlib.data.tokenize_units import InputError, Options, Unit
+from shardlib.errors import ShardlibError
 
-# read once, when a library starts its thread pool: the fork server must start with none
+# a worker uses one core: no BLAS or tokenizer thread pools of its own
 ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
               "TOKENIZERS_PARALLELISM": "false"}
 
 
-def start_method() -> str:
-    """``forkserver`` where the platform has it (Linux, macOS), else ``spawn``."""
-    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+class _Worker:
+    """One worker process: units in on stdin, one JSON answer per unit on stdout."""
 
+    def __init__(self, opts: Options):
+        self.stderr = tempfile.TemporaryFile()  # read only to explain a failure
+        self.proc = subprocess.Popen(
+            [sys.executable, "-P", tokenize_units.__file__, json.dumps(dataclasses.asdict(opts))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+            env={**os.environ, **ONE_THREAD})
 
-@contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """``values`` in ``os.environ`` for the block (what a started process inherits)."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def start_server(preload: Sequence[str]) -> None:
-    """Start the fork server now (it imports ``preload`` while the caller goes on); a
-    no-op where workers are spawned or when this process's server already runs."""
-    if start_method() != "forkserver":
-        return
-    forkserver.set_forkserver_preload(list(preload))  # not __main__: nothing of the caller's
-    with _environment(ONE_THREAD):
-        forkserver.ensure_running()
-
-
-def _one_thread_worker() -> None:
-    """A worker uses one core: the tokenizers library's own thread pool off."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
-
-class _Claims:
-    """Indices of items claimed from both ends: the pool's feeder thread takes the front,
-    the parent the back, until they meet."""
-
-    def __init__(self, count: int):
-        self.lock = threading.Lock()
-        self.front, self.back = 0, count
-        self.futures: dict[int, Future] = {}
-        self.error: BaseException | None = None
-
-    def take(self, *, last: bool) -> int | None:
-        with self.lock:
-            if self.front >= self.back:
-                return None
-            if last:
-                self.back -= 1
-                return self.back
-            self.front += 1
-            return self.front - 1
-
-    def stop(self) -> None:
-        with self.lock:
-            self.back = self.front
-
-    def feed(self, pool: ProcessPoolExecutor, fn: Callable[[Item], Any],
-             items: Sequence[Item]) -> None:
-        """Submit items from the front: the first ``workers`` submits each wait for a
-        worker to start, the rest return at once."""
+    def ask(self, unit: Unit) -> dict[str, Any]:
+        """Tokenize ``unit``: {"result": ...}, or {"error": ..., "input": bool}."""
         try:
-            while (i := self.take(last=False)) is not None:
-                self.futures[i] = pool.submit(fn, items[i])
-        except BaseException as err:  # raised in the parent by run_parallel
-            self.error = err
-            self.stop()
+            self.proc.stdin.write(json.dumps(dataclasses.asdict(unit)) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except (OSError, ValueError):  # it has gone (a broken pipe), or is being stopped
+            line = ""
+        if not line:
+            return {"error": self._exit_message(), "input": False}
+        try:
+            return json.loads(line)
+        except ValueError:
+            return {"error": f"an unreadable answer {line[:80]!r}", "input": False}
+
+    def _exit_message(self) -> str:
+        code = self.proc.wait()
+        self.stderr.seek(0)
+        last = self.stderr.read().decode(errors="replace").strip().splitlines()[-1:]
+        return f"the worker exited with code {code}" + (f" ({last[0]})" if last else "")
+
+    def stop(self, *, kill: bool) -> None:
+        """Kill it, or close its stdin: it exits once it has answered its last unit."""
+        if kill:
+            self.proc.kill()
+        else:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+
+    def close(self) -> None:
+        """Wait for it and release its pipes (after ``stop``, once no thread reads)."""
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout, self.stderr):
+            with contextlib.suppress(OSError):  # a killed worker's stdin: a broken pipe
+                stream.close()
 
 
-def run_parallel(fn: Callable[[Item], Any], items: Sequence[Item], workers: int,
-                 finished: Callable[[int], None], preload: Sequence[str] = ()) -> list[Any]:
-    """``[fn(item) for item in items]`` on ``workers`` processes (``fn`` picklable, from a
-    module in ``preload``); ``finished(i)`` as each item is done, in any order. The
-    parent works on items from the back until the workers have taken the rest."""
-    if workers <= 1:
-        return [_call(fn, items, i, finished) for i in range(len(items))]
-    start_server(preload)
-    context = multiprocessing.get_context(start_method())
-    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_one_thread_worker)
-    claims, results = _Claims(len(items)), {}
-    feeder = threading.Thread(target=claims.feed, args=(pool, fn, items), daemon=True,
-                              name="shardlib-prepare-feeder")
+def run_parallel(units: Sequence[Unit], opts: Options, workers: int,
+                 finished: Callable[[int], None]) -> list[dict[str, Any]]:
+    """``tokenize_unit`` of every unit on ``workers`` processes, results in unit order;
+    ``finished(i)`` is called here as each unit is done. A unit's bad input raises
+    ``InputError``, any other failure a ``ShardlibError`` naming the unit's file."""
+    pool = [_Worker(opts) for _ in range(min(workers, len(units)))]
+    answers: queue.Queue[tuple[int, dict[str, Any]]] = queue.Queue()
+    pending = iter(range(len(units)))
+    lock, stop = threading.Lock(), threading.Event()
+
+    def drive(worker: _Worker) -> None:  # one thread per worker: the next unit, its answer
+        while not stop.is_set():
+            with lock:
+                i = next(pending, None)
+            if i is None:
+                return
+            answers.put((i, worker.ask(units[i])))
+
+    threads = [threading.Thread(target=drive, args=(w,), daemon=True,
+                                name="shardlib-prepare-worker") for w in pool]
+    for thread in threads:
+        thread.start()
+    results: dict[int, dict[str, Any]] = {}
     try:
-        feeder.start()
-        while (i := claims.take(last=True)) is not None:
-            results[i] = _call(fn, items, i, finished)
-        feeder.join()
-        if claims.error is not None:
-            raise claims.error
-        for i, future in sorted(claims.futures.items()):
-            results[i] = _result(future, i, finished)
-    except BaseException:
-        claims.stop()
-        feeder.join()
-        pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    pool.shutdown(wait=True)
-    return [results[i] for i in range(len(items))]
+        while len(results) < len(units):
+            i, answer = answers.get()
+            if "error" in answer:
+                raise _failure(units[i], answer)
+            results[i] = answer["result"]
+            finished(i)
+    finally:
+        stop.set()
+        for worker in pool:
+            worker.stop(kill=len(results) < len(units))
+        for thread in threads:
+            thread.join()
+        for worker in pool:
+            worker.close()
+    return [results[i] for i in range(len(units))]
 
 
-def _call(fn: Callable[[Item], Any], items: Sequence[Item], i: int,
-          finished: Callable[[int], None]) -> Any:
-    result = fn(items[i])
-    finished(i)
-    return result
-
-
-def _result(future: Future, i: int, finished: Callable[[int], None]) -> Any:
-    result = future.result()
-    finished(i)
-    return result
+def _failure(unit: Unit, answer: dict[str, Any]) -> Exception:
+    if answer["input"]:
+        return InputError(answer["error"])
+    return ShardlibError(f"data prepare: tokenizing {unit.path} (unit {unit.index}) failed in "
+                         f"a worker process: {answer['error']}")
