@@ -223,8 +223,8 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str, *, text_field: str 
     units = make_units(files, unit_bytes)
     docs = sum(u.docs for u in units)
     split = split_lib.resolve(val_split, docs, val_fraction)
-    opts = Options(str(tok.path) if isinstance(tok, HFTokenizer) else "", tok.eod_id, text_field,
-                   val_fraction if split == "documents" else 0.0, dtype, str(partial))
+    opts = Options(str(tok.path.absolute()) if isinstance(tok, HFTokenizer) else "", tok.eod_id,
+                   text_field, val_fraction if split == "documents" else 0.0, dtype, str(partial))
     val = {"val_fraction": val_fraction, "val_split": split,
            "val_split_reason": split_lib.reason(split, docs, val_fraction)}
     total, done = sum(p.stat().st_size for p in files), [0]
