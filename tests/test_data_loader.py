@@ -137,10 +137,12 @@ def test_eval_plan_takes_every_row_once_or_in_equal_copies():
 
 def test_a_val_split_smaller_than_a_batch_is_evaluated(dataset, tmp_path):
     """3 held-out rows, batches of 8 over 8 devices: no longer refused; rows 0 and 1, four
-    copies each, fill one batch (3 copies of 3 rows would not split over 8 devices)."""
+    copies each, fill one batch (3 copies of 3 rows would not split over 8 devices). No
+    row at all is refused with the fixes, unless eval is off."""
     config = config_for(with_val_tokens(dataset, tmp_path / "ds", 3 * SEQ + 1),
                         MeshConfig(data=8))
-    source = open_source(config)
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, eval_every=10))
+    source = open_source(config)  # refused before: "fewer than one batch of 8"
     loader = make_loader(config, source, build_setup(config).batch_sharding)
     assert source.val_windows == 3 and loader.eval_rows(2) == 2
     [(batch, rows)] = loader.eval_batches(2)
@@ -148,6 +150,12 @@ def test_a_val_split_smaller_than_a_batch_is_evaluated(dataset, tmp_path):
     assert rows == 2 and set(batch) == set(want)
     for key, value in host(batch).items():
         np.testing.assert_array_equal(value, want[key])
+    none = config_for(with_val_tokens(dataset, tmp_path / "ds0", SEQ), MeshConfig(data=8))
+    assert open_source(none).val_windows == 0  # eval off (tiny_config): nothing to check
+    with pytest.raises(ConfigError, match=r"the val split has no row of 17 tokens .* lower "
+                       "--seq-len, prepare with a larger --val-fraction, or pass --eval-every 0"):
+        open_source(dataclasses.replace(none, train=dataclasses.replace(none.train,
+                                                                        eval_every=10)))
 
 
 @pytest.fixture(scope="module")
