@@ -1,8 +1,10 @@
 """Input pipeline cost: can the loader keep the train step fed, and what does prefetch buy?
 
 1. ``data prepare`` throughput (MB of input text per second) with 1 and 2 worker
-   processes, on JSON Lines of the Python standard library's source (one document per
-   file) and a byte-level BPE trained here on part of it.
+   processes (fresh interpreters, ``shardlib.data.workers``), on JSON Lines of the
+   Python standard library's source (one document per file) and a byte-level BPE trained
+   here on it; ``--repeats N`` takes the median of N runs of each, interleaved, and
+   ``--prepare-only`` stops there (``results/data_pipeline_prepare.csv``).
 2. Loader tokens/s: global batches of the prepared dataset (grain threads reading the
    memory-mapped shards, packing with segment ids, put on the devices), no training.
 3. Train-step tokens/s of the default model on the same batches (one batch, re-fed).
@@ -14,6 +16,7 @@
 Goals (issue 22): loader >= 10x the step's tokens/s; stall <= 2% with prefetch.
 
     python experiments/data_pipeline.py [--model small] [--steps 30] [--quick]
+    python experiments/data_pipeline.py --prepare-only --repeats 5
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import argparse
 import csv
 import dataclasses
 import json
+import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,6 +38,7 @@ from pathlib import Path
 from shardlib.cli import setup_devices
 
 RESULTS = Path(__file__).parent / "results" / "data_pipeline.csv"
+PREPARE_RESULTS = RESULTS.with_name("data_pipeline_prepare.csv")
 
 
 def write_corpus(path: Path, max_bytes: int) -> int:
@@ -49,18 +55,23 @@ def write_corpus(path: Path, max_bytes: int) -> int:
     return total
 
 
-def bench_prepare(work: Path, corpus: Path, tokenizer: str) -> dict[str, float]:
-    """``shardlib data prepare`` as a user runs it (its own process: the workers fork
-    from a process that has not started JAX); MB/s as it reports."""
-    rates = {}
-    for workers in (1, 2):
-        out = subprocess.run(
-            [sys.executable, "-m", "shardlib", "data", "prepare", "--input", str(corpus),
-             "--tokenizer", tokenizer, "--out", str(work / f"ds{workers}"),
-             "--workers", str(workers)], check=True, capture_output=True, text=True).stdout
-        rates[workers] = float(re.search(r"\(([\d.]+) MB/s\)", out).group(1))
-        print(f"data prepare, {workers} worker(s): {out.strip()}", flush=True)
-    return rates
+def bench_prepare(work: Path, corpus: Path, tokenizer: str,
+                  repeats: int = 1) -> dict[int, float]:
+    """``shardlib data prepare`` as a user runs it (its own process), 1 and 2 workers
+    taking turns ``repeats`` times; the median MB/s of each, as it reports them."""
+    rates: dict[int, list[float]] = {1: [], 2: []}
+    for _ in range(repeats):
+        for workers in rates:
+            out_dir = work / f"ds{workers}"
+            shutil.rmtree(out_dir, ignore_errors=True)  # else the second run is a no-op
+            out = subprocess.run(
+                [sys.executable, "-m", "shardlib", "data", "prepare", "--input", str(corpus),
+                 "--tokenizer", tokenizer, "--out", str(out_dir), "--workers", str(workers)],
+                check=True, capture_output=True, text=True).stdout
+            size, seconds = re.search(r"prepared ([\d.]+) MB in ([\d.]+) s", out).groups()
+            rates[workers].append(float(size) / float(seconds))  # finer than its MB/s
+            print(f"data prepare, {workers} worker(s): {out.splitlines()[0]}", flush=True)
+    return {workers: statistics.median(values) for workers, values in rates.items()}
 
 
 def loader_rate(config, source, setup, batches: int) -> float:
@@ -130,6 +141,21 @@ def bench_steps(config, source, setup, steps: int, rounds: int) -> dict[str, flo
     return out
 
 
+def write_prepare_results(size: int, repeats: int, rates: dict[int, float]) -> None:
+    """The prepare-only row: corpus size, median MB/s per worker count, host load."""
+    row = {"corpus_mb": round(size / 2**20, 2), "repeats": repeats,
+           "prepare_mb_s_1": round(rates[1], 3), "prepare_mb_s_2": round(rates[2], 3),
+           "load_average": os.getloadavg()[0], "cpus": os.cpu_count()}
+    print(f"data prepare (median of {repeats}): 1 worker {rates[1]:.2f} MB/s, 2 workers "
+          f"{rates[2]:.2f} MB/s (load average {row['load_average']:.1f} on {row['cpus']} cpus)")
+    PREPARE_RESULTS.parent.mkdir(exist_ok=True)
+    with PREPARE_RESULTS.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(row))
+        writer.writeheader()
+        writer.writerow(row)
+    print(f"wrote {PREPARE_RESULTS}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small")
@@ -142,6 +168,10 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--workdir", default="runs/data_pipeline")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 MB, 8 steps")
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="only the data prepare MB/s (1 and 2 workers)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="data prepare runs per worker count (the median is kept)")
     args = parser.parse_args()
     if args.quick:
         args.model, args.steps, args.rounds, args.corpus_mb = "tiny", 8, 1, 2.0
@@ -157,7 +187,10 @@ def main() -> None:
     size = write_corpus(corpus, int(args.corpus_mb * 2**20))
     tok = train_tokenizer([str(corpus)], args.vocab_size, str(work / "tokenizer.json"))
     print(f"corpus {size / 2**20:.1f} MB of JSON Lines; BPE vocab {tok.vocab_size}", flush=True)
-    rates = bench_prepare(work, corpus, str(work / "tokenizer.json"))
+    rates = bench_prepare(work, corpus, str(work / "tokenizer.json"), args.repeats)
+    if args.prepare_only:
+        write_prepare_results(size, args.repeats, rates)
+        return
     model = dataclasses.replace(get_preset(args.model), vocab_size=padded_vocab(tok.vocab_size))
     config = Config(mesh=parse_mesh(args.mesh), model=model, data=DataConfig(packing_mask=True),
                     train=TrainConfig(data=str(work / "ds1"), batch_size=args.batch_size,

@@ -13,9 +13,12 @@ import pytest
 
 from shardlib.config import CheckpointConfig, Config, DataConfig, MeshConfig, TrainConfig
 from shardlib.data import Loader, make_loader, open_source, prepare, train_tokenizer
+from shardlib.data.loader import eval_plan
 from shardlib.errors import ConfigError
+from shardlib.run.evaluation import evaluate
 from shardlib.run.loop import train
-from shardlib.train.state import build_setup
+from shardlib.train.state import build_setup, init_state
+from shardlib.train.step import make_eval_step
 from tests.helpers import tiny_config
 
 BATCH, SEQ = 8, 16
@@ -114,12 +117,77 @@ def test_wrong_tokenizer_vocab_and_size_errors(dataset, tmp_path):
         DataConfig(workers=-1)
 
 
-def test_training_resumes_bit_for_bit(dataset, tmp_path):
-    """4 steps saving at 2; a run resumed from step 2 sees the same batches: same losses."""
+def with_val_tokens(dataset: str, out, tokens: int) -> str:
+    """The fixture's documents prepared again, the last ``tokens`` tokens held out (one
+    shard: ``tokens - 1`` // SEQ rows)."""
+    docs = dataset.replace("/ds", "/docs.jsonl")
+    texts = [json.loads(line)["text"] for line in open(docs)]
+    total = sum(len(t.encode()) + 1 for t in texts)  # bytes, and an EOD per document
+    prepare([docs], "bytes", str(out), val_fraction=tokens / total, val_split="tokens")
+    return str(out)
+
+
+def test_eval_plan_takes_every_row_once_or_in_equal_copies():
+    assert eval_plan(100, 8, 2, 8) == [(0, 8, 1), (8, 8, 1)]  # a large split: as before
+    assert eval_plan(12, 8, 2, 8) == [(0, 8, 1), (8, 4, 2)]  # rows 8-11, twice each
+    assert eval_plan(11, 16, 2, 8) == [(0, 8, 1)]  # 11 rows fit no batch of <= 16: 8 of them
+    assert eval_plan(3, 8, 2, 8) == [(0, 2, 4)]
+    assert eval_plan(1, 16, 2, 8) == [(0, 1, 8)]
+    assert eval_plan(5, 16, 1, 1) == [(0, 5, 1)]  # one device: a smaller last batch
+
+
+def test_a_val_split_smaller_than_a_batch_is_evaluated(dataset, tmp_path):
+    """3 held-out rows, batches of 8 over 8 devices: no longer refused; rows 0 and 1, four
+    copies each, fill one batch (3 copies of 3 rows would not split over 8 devices). No
+    row at all is refused with the fixes, unless eval is off."""
+    config = config_for(with_val_tokens(dataset, tmp_path / "ds", 3 * SEQ + 1),
+                        MeshConfig(data=8))
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, eval_every=10))
+    source = open_source(config)  # refused before: "fewer than one batch of 8"
+    loader = make_loader(config, source, build_setup(config).batch_sharding)
+    assert source.val_windows == 3 and loader.eval_rows(2) == 2
+    [(batch, rows)] = loader.eval_batches(2)
+    want = source.val_rows([0, 0, 0, 0, 1, 1, 1, 1])
+    assert rows == 2 and set(batch) == set(want)
+    for key, value in host(batch).items():
+        np.testing.assert_array_equal(value, want[key])
+    none = config_for(with_val_tokens(dataset, tmp_path / "ds0", SEQ), MeshConfig(data=8))
+    assert open_source(none).val_windows == 0  # eval off (tiny_config): nothing to check
+    with pytest.raises(ConfigError, match=r"the val split has no row of 17 tokens .* lower "
+                       "--seq-len, prepare with a larger --val-fraction, or pass --eval-every 0"):
+        open_source(dataclasses.replace(none, train=dataclasses.replace(none.train,
+                                                                        eval_every=10)))
+
+
+@pytest.fixture(scope="module")
+def small_val(dataset, tmp_path_factory) -> str:
+    """The same documents, the last 12 rows' worth of tokens held out (12 x 16 + 8)."""
+    return with_val_tokens(dataset, tmp_path_factory.mktemp("small_val") / "ds", 12 * SEQ + 8)
+
+
+def test_a_small_val_split_is_evaluated_whole_and_exactly(small_val):
+    """12 held-out rows, 2 eval batches of 8: the eval loss is the mean over the 12 rows,
+    each once (each row's loss computed alone), where the old eval read rows 0-3 twice."""
+    config = config_for(small_val, MeshConfig(data=8))
+    setup = build_setup(config)
+    params = init_state(setup, 0).params
+    source = open_source(config)
+    loader = make_loader(config, source, setup.batch_sharding)
+    eval_step = make_eval_step(setup)
+    loss = evaluate(eval_step, params, loader, setup, 2)
+    alone = [float(eval_step(params, loader.to_global(source.val_rows([i] * BATCH))))
+             for i in range(source.val_windows)]
+    assert len(alone) == 12 and loader.eval_rows(2) == 12
+    assert loss == pytest.approx(np.mean(alone), rel=1e-6)
+
+
+def test_training_resumes_bit_for_bit(small_val, tmp_path):
+    """4 steps saving at 2, evaluating at 4 on a held-out split smaller than the 2 eval
+    batches; a run resumed from step 2 sees the same batches: same losses, same eval."""
     ckpt = tmp_path / "ckpt"
-    config = config_for(dataset, MeshConfig(data=8), packing_mask=True)
+    config = config_for(small_val, MeshConfig(data=8), packing_mask=True)
     config = dataclasses.replace(
-        config, train=dataclasses.replace(config.train, steps=4, log_every=1),
+        config, train=dataclasses.replace(config.train, steps=4, log_every=1, eval_every=4),
         checkpoint=CheckpointConfig(dir=str(ckpt), every=2))
     full = train(config)
     shutil.rmtree(ckpt / "4")
@@ -129,6 +197,8 @@ def test_training_resumes_bit_for_bit(dataset, tmp_path):
     want = {r["step"]: r["loss"] for r in full.history}
     got = {r["step"]: r["loss"] for r in resumed.history}
     assert sorted(got) == [3, 4] and all(got[s] == want[s] for s in got)
+    assert full.summary["eval_rows"] == resumed.history[-1]["eval_rows"] == 12
+    assert resumed.summary["eval_loss"] == full.summary["eval_loss"]
     saved = json.loads((ckpt / "4" / "data" / "metadata").read_text())
     assert saved["next_batch"] == 4
 

@@ -4,6 +4,10 @@ its errors: one clear ShardlibError naming the file, line or field, nothing left
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -16,9 +20,13 @@ from shardlib.data import (
     open_dataset,
     prepare,
     segments,
+    tokenize_units,
     train_tokenizer,
 )
-from shardlib.errors import ConfigError
+from shardlib.data.prepare import describe, make_units
+from shardlib.data.tokenize_units import Options
+from shardlib.data.workers import run_parallel
+from shardlib.errors import ConfigError, ShardlibError
 
 WORDS = ["alpha", "beta", "gamma", "delta", "shard", "mesh", "token", "über", "naïve"]
 
@@ -71,12 +79,69 @@ def test_prepare_counts_split_and_is_a_no_op_when_up_to_date(corpus, tmp_path):
     assert not prepare(inputs, str(root / "tok"), str(out), val_fraction=0.1).up_to_date
 
 
-def test_two_workers_write_the_same_shards_as_one(corpus, tmp_path):
+def test_two_workers_write_the_same_shards_as_one(corpus, tmp_path, monkeypatch):
+    """...and start as fresh interpreters, never as forks of this process (its threads'
+    locks would be copied in whatever state they are): no os.fork, no warning about it."""
     root, _, _ = corpus
-    runs = [prepare([str(root / "a.jsonl")], "bytes", str(tmp_path / f"w{n}"), workers=n,
-                    val_fraction=0.1, unit_bytes=4096).manifest for n in (1, 2)]
+    forks = []
+    fork = os.fork
+    monkeypatch.setattr(os, "fork", lambda: forks.append(1) or fork())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runs = [prepare([str(root / "a.jsonl")], "bytes", str(tmp_path / f"w{n}"), workers=n,
+                        val_fraction=0.1, unit_bytes=4096).manifest for n in (1, 2)]
     sums = [[s["checksum"] for s in m["splits"]["train"]["shards"]] for m in runs]
     assert len(sums[0]) > 2 and sums[0] == sums[1]
+    assert forks == [] and [str(w.message) for w in caught if "fork" in str(w.message)] == []
+
+
+def test_a_worker_imports_nothing_of_shardlib():
+    """A worker is a fresh interpreter, so it must start in a fraction of a second: the
+    module it runs imports numpy and tokenizers, never shardlib (and with it JAX)."""
+    code = ("import runpy, sys; runpy.run_path(sys.argv[1]); "
+            "print([m for m in ('shardlib', 'jax', 'flax', 'orbax') if m in sys.modules])")
+    run = subprocess.run([sys.executable, "-P", "-c", code, tokenize_units.__file__],
+                         capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]"
+
+
+def test_a_failing_worker_is_one_clear_error(corpus, tmp_path):
+    """Not bad input but a failure (here the output directory is gone): a ShardlibError
+    naming the file, the workers stopped and waited for."""
+    root, _, _ = corpus
+    units = make_units([root / "a.jsonl"], 4096)
+    opts = Options("", 0, "text", 0.0, "uint16", str(tmp_path / "gone"))
+    with pytest.raises(ShardlibError, match=r"a\.jsonl \(unit \d+\) failed in a worker "
+                       r"process: FileNotFoundError"):
+        run_parallel(units, opts, 2, lambda i: None)
+
+
+def test_few_documents_hold_out_their_last_tokens(tmp_path):
+    """114 documents at the default --val-fraction 0.01: about one would be held out whole
+    (none, a third of the time), so the split holds out the last 1% of the tokens, and the
+    CLI line says so and how far eval reaches."""
+    texts = write_jsonl(tmp_path / "few.jsonl", 114, seed=3)
+    inputs = [str(tmp_path / "few.jsonl")]
+    result = prepare(inputs, "bytes", str(tmp_path / "ds"), unit_bytes=4096)
+    m, total = result.manifest, sum(len(t.encode()) + 1 for t in texts)
+    train, val = m["splits"]["train"], m["splits"]["val"]
+    assert m["val_split"] == "tokens" and val["num_tokens"] == round(total * 0.01)
+    assert train["num_docs"] + val["num_docs"] == 114 and val["num_docs"] <= 2
+    assert abs(val["num_bytes"] - (val["num_tokens"] - val["num_docs"])) <= 3  # a cut UTF-8 char
+    whole = prepare(inputs, "bytes", str(tmp_path / "all"), val_fraction=0, unit_bytes=4096)
+    stream = lambda path, names: np.concatenate(
+        [np.asarray(s.tokens) for name in names for s in open_dataset(str(path)).split(name)])
+    np.testing.assert_array_equal(stream(result.path, ["train", "val"]),
+                                  stream(whole.path, ["train"]))  # the tail, cut off
+    rows = sum((s["num_tokens"] - 1) // 128 for s in val["shards"])
+    longest = max(s["num_tokens"] for s in val["shards"]) - 1
+    assert describe(result).splitlines()[-1] == (
+        "val split: the last 1.00% of tokens: 114 documents are too few to hold out whole "
+        "ones (~1.1 would fall in it; --val-split documents does it anyway); eval has "
+        f"{rows:,} rows at --seq-len 128 and runs with --seq-len up to {longest:,}")
+    many = prepare(inputs, "bytes", str(tmp_path / "docs"), val_fraction=0.2, unit_bytes=4096)
+    assert many.manifest["val_split"] == "documents"  # ~23 documents held out whole
+    assert "whole documents, ~23 of 114" in describe(many)
 
 
 def test_parquet_input(tmp_path):
@@ -92,16 +157,21 @@ def test_parquet_input(tmp_path):
         prepare([str(tmp_path / "t.parquet")], "bytes", str(tmp_path / "ds2"))
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"text": "ok"}\n{"text": "fine"}\nnot json\n', r"bad\.jsonl:3: not valid JSON"),
-    ('{"text": "ok"}\n{"body": "x"}\n', r"bad\.jsonl:2: no string field 'text'.*--text-field"),
+@pytest.mark.parametrize("content, message, workers", [
+    ('{"text": "ok"}\n{"text": "fine"}\nnot json\n', r"bad\.jsonl:3: not valid JSON", 1),
+    ('{"text": "ok"}\n{"body": "x"}\n', r"bad\.jsonl:2: no string field 'text'.*--text-field",
+     1),
+    ('{"text": "ok"}\n{"text": "fine"}\nnot json\n', r"bad\.jsonl:3: not valid JSON", 2),
 ])
-def test_bad_jsonl_names_the_line_and_leaves_nothing(tmp_path, content, message):
+def test_bad_jsonl_names_the_line_and_leaves_nothing(tmp_path, content, message, workers):
+    """With 2 workers the bad file comes first: a worker meets it, this process learns it."""
     write_jsonl(tmp_path / "good.jsonl", 50)
     (tmp_path / "bad.jsonl").write_text(content)
     inputs = [str(tmp_path / "good.jsonl"), str(tmp_path / "bad.jsonl")]
+    if workers > 1:
+        inputs.reverse()
     with pytest.raises(ConfigError, match=message):
-        prepare(inputs, "bytes", str(tmp_path / "ds"), unit_bytes=512)
+        prepare(inputs, "bytes", str(tmp_path / "ds"), unit_bytes=512, workers=workers)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl"]
 
 
@@ -113,8 +183,15 @@ def test_missing_empty_and_too_small_inputs(tmp_path):
         prepare([str(tmp_path / "empty.txt")], "bytes", str(tmp_path / "ds"))
     (tmp_path / "one.txt").write_text("a single document")
     with pytest.raises(ConfigError, match="no document of 1 fell in the validation split"):
-        prepare([str(tmp_path / "one.txt")], "bytes", str(tmp_path / "ds"), val_fraction=0.01)
+        prepare([str(tmp_path / "one.txt")], "bytes", str(tmp_path / "ds"), val_fraction=0.01,
+                val_split="documents")
     assert not (tmp_path / "ds").exists()
+    with pytest.raises(ConfigError, match="--val-split 'words': must be one of auto, "):
+        prepare([str(tmp_path / "one.txt")], "bytes", str(tmp_path / "ds"), val_split="words")
+    one = prepare([str(tmp_path / "one.txt")], "bytes", str(tmp_path / "ds"))
+    assert one.manifest["splits"]["val"]["num_tokens"] == 1  # the last of 18 tokens
+    assert describe(one).endswith("too small for eval: raise --val-fraction, or train with "
+                                  "--eval-every 0")
     with pytest.raises(ConfigError, match="--vocab-size 100: must be >= 257"):
         train_tokenizer([str(tmp_path / "one.txt")], 100, str(tmp_path / "t.json"))
 
@@ -160,8 +237,10 @@ def test_cli_prepare_and_tokenizer_train(corpus, tmp_path, capsys):
     args = ["data", "prepare", "--input", str(root / "*.jsonl"), "--tokenizer",
             str(tmp_path / "tok.json"), "--out", str(tmp_path / "ds"), "--val-fraction", "0.1"]
     assert main(args) == 0 and main(args) == 0
-    out = capsys.readouterr().out
-    assert "vocab 280" in out and "up to date" in out.splitlines()[-1]
+    out = capsys.readouterr().out.splitlines()
+    assert "vocab 280" in out[0] and "up to date" in out[-2]
+    assert out[-1].startswith("val split: whole documents, ~30 of 300 held out by a hash; "
+                              "eval has ")
     assert main(["data", "prepare", "--input", str(tmp_path / "x.jsonl"), "--out",
                  str(tmp_path / "ds2")]) == 2
     assert "x.jsonl: no such file" in capsys.readouterr().err

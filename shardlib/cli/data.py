@@ -24,8 +24,11 @@ def add_data_parsers(sub: argparse._SubParsersAction) -> None:
     prep.add_argument("--out", required=True, help="the dataset directory to write")
     prep.add_argument("--text-field", default="text", help="the .jsonl/.parquet field "
                       "holding the text (default text)")
-    prep.add_argument("--val-fraction", type=float, default=0.01, help="share of documents "
-                      "held out for eval (default 0.01)")
+    prep.add_argument("--val-fraction", type=float, default=0.01, help="share held out for "
+                      "eval (default 0.01): of documents or of tokens, see --val-split")
+    prep.add_argument("--val-split", choices=("auto", "documents", "tokens"), default="auto",
+                      help="hold out whole documents (by a hash) or the last tokens; auto "
+                      "(default): documents when about 20 or more would be held out")
     prep.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
     tok = sub.add_parser("tokenizer", help="train a byte-level BPE tokenizer locally")
     tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
@@ -48,7 +51,8 @@ def run_data(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
 
     result = prepare(args.input, args.tokenizer, args.out, text_field=args.text_field,
-                     val_fraction=args.val_fraction, workers=args.workers, progress=progress)
+                     val_fraction=args.val_fraction, val_split=args.val_split,
+                     workers=args.workers, progress=progress)
     if show and not result.up_to_date:
         print(file=sys.stderr)
     print(describe(result), flush=True)

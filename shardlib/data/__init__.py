@@ -3,7 +3,8 @@ document packing and the grain input pipeline.
 
 - ``corpus``: stdlib / synthetic / a text file as bytes, no preparation (the default)
 - ``tokenizer``: bytes or a Hugging Face ``tokenizer.json``; local BPE training
-- ``prepare`` + ``shards``: ``shardlib data prepare`` and the memory-mapped shard format
+- ``prepare`` + ``shards``: ``shardlib data prepare`` and the memory-mapped shard format;
+  ``split`` its validation split, ``tokenize_units`` + ``workers`` its worker processes
 - ``packing``: documents -> fixed-length rows with segment ids and positions
 - ``loader``: per-process rows via grain, prefetch, global arrays, resumable state
 """

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +48,8 @@ class Source:
     train: Callable[[int, int, int], HostBatch]
     val: Callable[[int, int, int], HostBatch]
     train_windows: int | None = None  # rows per epoch (None: random windows, no epochs)
-    val_windows: int | None = None
+    val_windows: int | None = None  # held-out rows (None: random windows, always a batch)
+    val_rows: Callable[[Sequence[int]], HostBatch] | None = None  # held-out rows by index
 
 
 def _with_segments(batch: HostBatch) -> HostBatch:
@@ -126,13 +127,38 @@ def _packed_reader(windows: PackedWindows, order: Any, batch_size: int,
 
 
 def _check_size(name: str, count: int, config: Config) -> None:
+    """Training needs one whole batch of rows; eval evaluates what the val split holds
+    (``eval_plan``), so it needs one row."""
     tc = config.train
-    if count < tc.batch_size:
+    if name == "train" and count < tc.batch_size:
         raise ConfigError(
-            f"--data {tc.data}: the {name} split has {count} rows of {tc.seq_len + 1} tokens, "
-            f"fewer than one batch of {tc.batch_size}; lower --batch-size or --seq-len"
-            + (", raise --val-fraction or pass --eval-every 0" if name == "val" else
-               ", or add data"))
+            f"--data {tc.data}: the train split has {count} rows of {tc.seq_len + 1} tokens, "
+            f"fewer than one batch of {tc.batch_size}; lower --batch-size or --seq-len, or "
+            "add data")
+    if name == "val" and count == 0:
+        raise ConfigError(
+            f"--data {tc.data}: the val split has no row of {tc.seq_len + 1} tokens (a row "
+            "never crosses a shard; `shardlib data prepare` says the longest --seq-len it "
+            "takes); lower --seq-len, prepare with a larger --val-fraction, or pass "
+            "--eval-every 0")
+
+
+def eval_plan(rows: int, batch_size: int, count: int,
+              shards: int) -> list[tuple[int, int, int]]:
+    """(first row, rows, copies) of each eval batch over ``rows`` held-out rows: up to
+    ``count`` batches of ``batch_size``, every row once; if fewer rows are left than a
+    batch, one smaller last batch holds as many of them as it can with each repeated
+    ``copies`` times, so that it splits evenly over the batch's ``shards`` and stays
+    within ``batch_size`` rows. Equal copies keep its mean loss the mean over its rows."""
+    held = min(rows, batch_size * count)
+    plan = [(k * batch_size, batch_size, 1) for k in range(held // batch_size)]
+    rest = held % batch_size
+    for size in range(rest, 0, -1):
+        copies = shards // math.gcd(size, shards)
+        if size * copies <= batch_size:
+            plan.append((held - rest, size, copies))
+            break
+    return plan
 
 
 def packed_source(config: Config) -> Source:
@@ -154,7 +180,7 @@ def packed_source(config: Config) -> Source:
     return Source(tc.data, tokenizer, fingerprint, dataset.tokens_per_byte("val"),
                   _packed_reader(train, order, tc.batch_size, dc.packing_mask),
                   _packed_reader(val, in_order, tc.batch_size, dc.packing_mask),
-                  len(train), len(val))
+                  len(train), len(val), lambda ids: val.rows(ids, dc.packing_mask))
 
 
 def open_source(config: Config) -> Source:
@@ -188,7 +214,7 @@ class Loader:
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._val: dict[int, dict[str, jax.Array]] = {}
+        self._val: dict[Any, dict[str, jax.Array]] = {}  # held-out batches, on devices
 
     # -- state ------------------------------------------------------------------------
     def state(self, next_batch: int | None = None) -> dict[str, Any]:
@@ -217,8 +243,11 @@ class Loader:
         start, stop = local_row_range(self.sharding, self.shape)
         return getattr(self.source, split)(k, start, stop)
 
-    def to_global(self, rows: HostBatch) -> dict[str, jax.Array]:
-        return {key: jax.make_array_from_process_local_data(self.sharding, value, self.shape)
+    def to_global(self, rows: HostBatch,
+                  shape: tuple[int, int] | None = None) -> dict[str, jax.Array]:
+        """This process's rows as global arrays of ``shape`` (default: one batch)."""
+        return {key: jax.make_array_from_process_local_data(self.sharding, value,
+                                                            shape or self.shape)
                 for key, value in rows.items()}
 
     def _grain_iter(self) -> Any:
@@ -267,6 +296,38 @@ class Loader:
         if k not in self._val:
             self._val[k] = self.to_global(self.host_rows(k, "val"))
         return self._val[k]
+
+    def _eval_plan(self, count: int) -> list[tuple[int, int, int]]:
+        if self.source.val_rows is None:  # random windows of a corpus: always whole batches
+            return [(k * self.shape[0], self.shape[0], 1) for k in range(count)]
+        shards = self.shape[0] // self.sharding.shard_shape(self.shape)[0]
+        return eval_plan(self.source.val_windows or 0, self.shape[0], count, shards)
+
+    def eval_rows(self, count: int) -> int:
+        """Held-out rows one eval of ``count`` batches averages over."""
+        return sum(rows for _, rows, _ in self._eval_plan(count))
+
+    def eval_batches(self, count: int) -> list[tuple[dict[str, jax.Array], int]]:
+        """The held-out batches of one eval (``eval_plan``; kept on devices), each with the
+        number of rows it stands for: weigh each batch's mean loss by it."""
+        out = []
+        for first, rows, copies in self._eval_plan(count):
+            if self.source.val_rows is None:
+                batch = self.val_batch(first // self.shape[0])
+            else:
+                batch = self._held_out(first, rows, copies)
+            out.append((batch, rows))
+        return out
+
+    def _held_out(self, first: int, rows: int, copies: int) -> dict[str, jax.Array]:
+        """Held-out rows ``first : first + rows``, each ``copies`` times in a row."""
+        key = (first, rows, copies)
+        if key not in self._val:
+            shape = (rows * copies, self.shape[1])
+            start, stop = local_row_range(self.sharding, shape)
+            ids = [first + j // copies for j in range(start, stop)]
+            self._val[key] = self.to_global(self.source.val_rows(ids), shape)
+        return self._val[key]
 
     def close(self) -> None:
         """Stop the reader thread (it is a daemon: an unclosed one never blocks exit)."""

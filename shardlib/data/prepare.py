@@ -1,6 +1,6 @@
 """``shardlib data prepare``: text, JSON Lines and Parquet files -> token shards.
 
-The inputs are cut into work units (~8 MB byte ranges at line ends, or Parquet row
+The inputs are cut into work units (~1 MB byte ranges at line ends, or Parquet row
 groups); worker processes tokenize units in parallel, end every document with the EOD
 token and write each unit as its own shard (``shardlib.data.shards``). Each document
 goes to the train or validation split by a hash of its place, so the split does not
@@ -17,52 +17,24 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import multiprocessing
-import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from shardlib.config import TrainConfig
+from shardlib.data import split as split_lib
+from shardlib.data import workers as workers_lib
 from shardlib.data.shards import FORMAT, MANIFEST, SPLITS
-from shardlib.data.tokenizer import HFTokenizer, Tokenizer, json_text, load_tokenizer
+from shardlib.data.tokenize_units import InputError, Options, Unit, parquet, tokenize_unit
+from shardlib.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from shardlib.errors import ConfigError
-
-try:  # Parquet input is optional: pip install pyarrow
-    import pyarrow.parquet as pq
-except ImportError:  # pragma: no cover
-    pq = None
 
 UNIT_BYTES = 2**20  # text per work unit: big enough to amortise, small enough to balance
 SUFFIXES = (".txt", ".jsonl", ".parquet")
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One piece of work: a byte range of a text file, or one Parquet row group."""
-
-    index: int
-    path: str
-    kind: str  # txt | jsonl | parquet
-    start: int  # byte offset (row group for parquet)
-    stop: int
-    first_line: int  # 1-based line number of ``start`` (jsonl error messages)
-    ends_file: bool  # the last unit of its file (a .txt document ends here)
-
-
-@dataclass(frozen=True)
-class Options:
-    """Settings of one ``data prepare`` run."""
-    tokenizer: str
-    text_field: str
-    val_fraction: float
-    dtype: str
-    out: str
 
 
 @dataclass
@@ -104,8 +76,8 @@ def expand_inputs(patterns: Sequence[str]) -> list[Path]:
     return unique
 
 
-def _line_cuts(path: Path, unit_bytes: int) -> Iterator[tuple[int, int, int]]:
-    """(start, stop, first line) ranges of ~unit_bytes ending at line ends."""
+def _line_cuts(path: Path, unit_bytes: int) -> Iterator[tuple[int, int, int, int]]:
+    """(start, stop, first line, lines) ranges of ~unit_bytes ending at line ends."""
     start, line, size = 0, 1, path.stat().st_size
     with path.open("rb") as file:
         while start < size:
@@ -113,9 +85,19 @@ def _line_cuts(path: Path, unit_bytes: int) -> Iterator[tuple[int, int, int]]:
             file.readline()  # to the end of the line the cut falls in
             stop = min(file.tell(), size)
             file.seek(start)
-            lines = file.read(stop - start).count(b"\n")
-            yield start, stop, line
+            text = file.read(stop - start)
+            lines = text.count(b"\n")
+            yield start, stop, line, lines + (not text.endswith(b"\n"))
             start, line = stop, line + lines
+
+
+@contextmanager
+def _input_errors() -> Iterator[None]:
+    """The workers' InputError (a file, line or field) as the ConfigError users see."""
+    try:
+        yield
+    except InputError as err:
+        raise ConfigError(str(err)) from None
 
 
 def make_units(files: Sequence[Path], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
@@ -124,144 +106,64 @@ def make_units(files: Sequence[Path], unit_bytes: int = UNIT_BYTES) -> list[Unit
     for path in files:
         kind = path.suffix[1:]
         if kind == "parquet":
-            if pq is None:
-                raise ConfigError(f"--input {path}: reading Parquet needs pyarrow "
-                                  "(pip install pyarrow)")
-            groups = pq.ParquetFile(path).num_row_groups
-            pieces = [(g, g + 1, 0) for g in range(groups)]
+            with _input_errors():
+                meta = parquet(str(path)).ParquetFile(path).metadata
+            pieces = [(g, g + 1, 0, meta.row_group(g).num_rows)
+                      for g in range(meta.num_row_groups)]
         else:
             pieces = list(_line_cuts(path, unit_bytes))
-        for i, (start, stop, line) in enumerate(pieces):
-            units.append(Unit(len(units), str(path), kind, start, stop, line,
-                              i == len(pieces) - 1))
+        for i, (start, stop, line, lines) in enumerate(pieces):
+            last = i == len(pieces) - 1
+            docs = lines if kind != "txt" else int(last)  # a .txt file is one document
+            units.append(Unit(len(units), str(path), kind, start, stop, line, last, docs))
     return units
-
-
-def _decode(raw: bytes) -> tuple[str, int]:
-    """Text and the number of invalid UTF-8 bytes replaced."""
-    try:
-        return raw.decode("utf-8"), 0
-    except UnicodeDecodeError:
-        text = raw.decode("utf-8", errors="replace")
-        return text, text.count("\ufffd") - raw.count("\ufffd".encode())
-
-
-def unit_texts(unit: Unit, text_field: str) -> tuple[list[str], int]:
-    """The unit's documents (a .txt unit is one piece of one document) and replacements."""
-    if unit.kind == "parquet":
-        table = pq.ParquetFile(unit.path).read_row_group(unit.start)
-        if text_field not in table.column_names:
-            raise ConfigError(f"{unit.path}: no column {text_field!r} (columns: "
-                              f"{', '.join(table.column_names)}); pass --text-field NAME")
-        return [t if isinstance(t, str) else "" for t in table.column(text_field).to_pylist()], 0
-    with open(unit.path, "rb") as file:
-        file.seek(unit.start)
-        text, replaced = _decode(file.read(unit.stop - unit.start))
-    if unit.kind == "txt":
-        return [text], replaced
-    docs = [json_text(line, text_field, f"{unit.path}:{unit.first_line + i}")
-            for i, line in enumerate(text.split("\n")) if line.strip()]
-    return docs, replaced
-
-
-def in_val(unit: int, doc: int, fraction: float) -> bool:
-    """Whether document ``doc`` of ``unit`` is held out: a hash, so it is stable."""
-    digest = hashlib.blake2b(f"{unit}:{doc}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < fraction
-
-
-def _write_split(out: Path, name: str, docs: list[np.ndarray], dtype: str) -> dict[str, Any]:
-    tokens = np.concatenate(docs).astype(dtype, copy=False)
-    tokens.tofile(out / f"{name}.bin")
-    np.cumsum([len(d) for d in docs], dtype=np.uint64).tofile(out / f"{name}.docs")
-    return {"tokens": f"{name}.bin", "docs": f"{name}.docs", "num_tokens": int(tokens.size),
-            "num_docs": len(docs), "checksum": hashlib.sha256(tokens.tobytes()).hexdigest()[:16]}
-
-
-def tokenize_unit(unit: Unit, opts: Options) -> dict[str, Any]:
-    """Tokenize one unit (one document at a time: a worker uses one core) and write its
-    train/val shards; returns their manifest entries."""
-    tokenizer = _worker_tokenizer(opts.tokenizer)
-    texts, replaced = unit_texts(unit, opts.text_field)
-    eod = np.array([tokenizer.eod_id] if unit.kind != "txt" or unit.ends_file else [], opts.dtype)
-    docs: dict[str, list[np.ndarray]] = {"train": [], "val": []}
-    nbytes = {"train": 0, "val": 0}
-    for i, text in enumerate(texts):
-        name = "val" if in_val(unit.index, i, opts.val_fraction) else "train"
-        docs[name].append(np.concatenate([np.asarray(tokenizer.encode(text), opts.dtype), eod]))
-        nbytes[name] += len(text.encode("utf-8"))
-    out = {"replaced": replaced}
-    for name in SPLITS:
-        if docs[name]:
-            entry = _write_split(Path(opts.out), f"{name}-{unit.index:05d}", docs[name], opts.dtype)
-            out[name] = {**entry, "num_bytes": nbytes[name], "ends_doc": eod.size > 0}
-    return out
-
-
-_TOKENIZERS: dict[str, Tokenizer] = {}
-
-
-def _worker_tokenizer(spec: str) -> Tokenizer:
-    if spec not in _TOKENIZERS:
-        _TOKENIZERS[spec] = load_tokenizer(spec)
-    return _TOKENIZERS[spec]
-
-
-def _quiet_worker() -> None:
-    """One core per worker: the tokenizers library's own thread pool off."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 def _run_units(units: list[Unit], opts: Options, workers: int,
                progress: Callable[[Unit], None]) -> list[dict[str, Any]]:
-    if workers <= 1:
+    """Every unit tokenized, in order: here, or on ``workers`` processes
+    (``shardlib.data.workers``: fresh interpreters, never forks of this one)."""
+    with _input_errors():
+        if workers > 1:
+            return workers_lib.run_parallel(units, opts, workers, lambda i: progress(units[i]))
         results = []
         for unit in units:
             results.append(tokenize_unit(unit, opts))
             progress(unit)
         return results
-    # fork starts a worker in milliseconds (spawn re-imports shardlib: seconds each); the
-    # workers only run the tokenizer and numpy, never JAX
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    context = multiprocessing.get_context(method)
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_quiet_worker) as pool:
-        futures = [pool.submit(tokenize_unit, u, opts) for u in units]
-        results = []
-        for unit, future in zip(units, futures, strict=True):
-            results.append(future.result())
-            progress(unit)
-        return results
 
 
 def input_fingerprint(files: Sequence[Path], tokenizer: Tokenizer, text_field: str,
-                      val_fraction: float) -> str:
+                      val_fraction: float, val_split: str = "auto") -> str:
     """What a prepared dataset was made from: a re-run with the same is a no-op."""
     stats = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    key = json.dumps([FORMAT, stats, tokenizer.fingerprint, text_field, val_fraction])
+    key = json.dumps([FORMAT, stats, tokenizer.fingerprint, text_field, val_fraction,
+                      val_split])
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _summarize(results: list[dict[str, Any]], name: str) -> dict[str, Any]:
     shards = [r[name] for r in results if name in r]
     return {"shards": shards, "num_tokens": sum(s["num_tokens"] for s in shards),
-            "num_docs": sum(s["num_docs"] for s in shards if s["ends_doc"]),
+            "num_docs": sum(s["num_docs"] - (not s["ends_doc"]) for s in shards),
             "num_bytes": sum(s["num_bytes"] for s in shards)}
 
 
 def _manifest(results: list[dict[str, Any]], tokenizer: Tokenizer, opts: Options,
-              files: Sequence[Path], fingerprint: str) -> dict[str, Any]:
+              files: Sequence[Path], fingerprint: str, val: dict[str, Any]) -> dict[str, Any]:
+    """The manifest; ``val`` holds ``val_fraction``, ``val_split`` and its reason."""
     splits = {name: _summarize(results, name) for name in SPLITS}
     if splits["train"]["num_tokens"] == 0:
         raise ConfigError("--input: no text in the inputs (every document is empty)")
     if opts.val_fraction > 0 and splits["val"]["num_tokens"] == 0:
         docs = splits["train"]["num_docs"]
         raise ConfigError(f"--val-fraction {opts.val_fraction}: no document of {docs} fell in "
-                          "the validation split; add documents, raise it, or pass 0")
+                          "the validation split; add documents, raise it, pass "
+                          "--val-split tokens, or pass 0")
     return {"format": FORMAT, "fingerprint": fingerprint, "dtype": opts.dtype,
             "tokenizer": {"name": tokenizer.name, "fingerprint": tokenizer.fingerprint,
                           "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id},
-            "text_field": opts.text_field, "val_fraction": opts.val_fraction,
-            "inputs": [str(p) for p in files],
+            "text_field": opts.text_field, **val, "inputs": [str(p) for p in files],
             "replaced_utf8": sum(r["replaced"] for r in results), "splits": splits}
 
 
@@ -297,16 +199,18 @@ def _check_options(out: Path, val_fraction: float, workers: int) -> None:
 
 
 def prepare(inputs: Sequence[str], tokenizer: str, out: str, *, text_field: str = "text",
-            val_fraction: float = 0.01, workers: int = 1,
+            val_fraction: float = 0.01, val_split: str = "auto", workers: int = 1,
             progress: Callable[[int, int], None] | None = None,
             unit_bytes: int = UNIT_BYTES) -> Prepared:
-    """Tokenize ``inputs`` into a prepared dataset at ``out`` (see the module docstring).
+    """Tokenize ``inputs`` into a prepared dataset at ``out`` (see the module docstring),
+    ``val_fraction`` held out as ``val_split`` says (``data.split``).
     ``progress(done_bytes, total_bytes)`` is called as units finish."""
     root = Path(out).expanduser().absolute()
     _check_options(root, val_fraction, workers)
+    split_lib.resolve(val_split, 0, val_fraction)  # a bad mode fails before any work
     files = expand_inputs(inputs)
     tok = load_tokenizer(tokenizer)
-    fingerprint = input_fingerprint(files, tok, text_field, val_fraction)
+    fingerprint = input_fingerprint(files, tok, text_field, val_fraction, val_split)
     if (root / MANIFEST).is_file():
         manifest = json.loads((root / MANIFEST).read_text())
         if manifest.get("fingerprint") == fingerprint:
@@ -316,8 +220,13 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str, *, text_field: str 
     shutil.rmtree(partial, ignore_errors=True)  # an interrupted run: start clean
     partial.mkdir(parents=True)  # --out runs/ds creates runs/, as mkdir -p
     dtype = "uint16" if tok.vocab_size <= 2**16 else "uint32"
-    opts = Options(tokenizer or "bytes", text_field, val_fraction, dtype, str(partial))
     units = make_units(files, unit_bytes)
+    docs = sum(u.docs for u in units)
+    split = split_lib.resolve(val_split, docs, val_fraction)
+    opts = Options(str(tok.path.absolute()) if isinstance(tok, HFTokenizer) else "", tok.eod_id,
+                   text_field, val_fraction if split == "documents" else 0.0, dtype, str(partial))
+    val = {"val_fraction": val_fraction, "val_split": split,
+           "val_split_reason": split_lib.reason(split, docs, val_fraction)}
     total, done = sum(p.stat().st_size for p in files), [0]
 
     def advance(unit: Unit) -> None:
@@ -328,7 +237,9 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str, *, text_field: str 
 
     try:
         results = _run_units(units, opts, workers, advance)
-        manifest = _manifest(results, tok, opts, files, fingerprint)
+        if split == "tokens":
+            split_lib.hold_out_tail(results, partial, val_fraction, tok, dtype)
+        manifest = _manifest(results, tok, opts, files, fingerprint, val)
         _copy_tokenizer(tok, partial)
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _swap_into_place(partial, root)
@@ -338,14 +249,17 @@ def prepare(inputs: Sequence[str], tokenizer: str, out: str, *, text_field: str 
     return Prepared(root, False, manifest, time.perf_counter() - started, total)
 
 
-def describe(result: Prepared) -> str:
-    """One line about a prepared dataset, for the CLI."""
+def describe(result: Prepared, seq_len: int = TrainConfig.seq_len) -> str:
+    """Two lines about a prepared dataset, for the CLI: what it holds, then how its
+    validation split was made and whether eval can run on it (at ``seq_len``; up to which)."""
     m = result.manifest
     train, val = m["splits"]["train"], m["splits"]["val"]
     head = f"{result.path}: up to date" if result.up_to_date else (
         f"prepared {result.input_bytes / 2**20:.1f} MB in {result.seconds:.1f} s "
         f"({result.mb_per_s:.1f} MB/s) -> {result.path}")
+    how = m.get("val_split_reason", "whole documents")
     return (f"{head}; train {train['num_tokens']:,} tokens in {train['num_docs']:,} docs, "
             f"val {val['num_tokens']:,} tokens; tokenizer {m['tokenizer']['name']} "
             f"(vocab {m['tokenizer']['vocab_size']}), {m['dtype']}, "
-            f"{m['replaced_utf8']} invalid UTF-8 bytes replaced")
+            f"{m['replaced_utf8']} invalid UTF-8 bytes replaced\n"
+            f"val split: {how}; {split_lib.eval_reach(val['shards'], seq_len)}")

@@ -271,7 +271,8 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
             if loader.state()["epoch"] is not None:
                 rows[-1]["epoch"] = loader.state()["epoch"]
             if do_eval and halt is None:
-                eval_row(rows[-1], eval_loss(setup, state, loader, guards, eval_fns), loader)
+                eval_row(rows[-1], eval_loss(setup, state, loader, guards, eval_fns), loader,
+                         tc.eval_batches)
             if adapt is not None:
                 adapt.annotate(rows)
             if due and halt is None:
@@ -378,6 +379,7 @@ def summarize(history: list[dict[str, Any]], compile_s: float, total_s: float) -
         "final_loss": history[-1]["loss"],
         "eval_loss": evals[-1]["eval_loss"] if evals else None,
         "eval_bits_per_byte": evals[-1].get("eval_bits_per_byte") if evals else None,
+        "eval_rows": evals[-1].get("eval_rows") if evals else None,  # held-out rows averaged
         "tokens_per_sec": float(np.median([r["tokens_per_sec"] for r in steady])),
         "step_time_s": float(np.median([r["step_time_s"] for r in steady])),
         "compile_time_s": compile_s, "total_time_s": total_s,
