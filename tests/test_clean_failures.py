@@ -138,7 +138,7 @@ def test_a_failure_once_steps_run_closes_every_thread(monkeypatch, tmp_path, cap
     of the step kept for saves are running; all of them end before main returns."""
     def fail(*args, **kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(loop, "make_eval_step", fail)  # right after the keeping step starts
+    monkeypatch.setattr(loop, "_serial_steps", fail)  # right after the keeping step starts
     rc, err, left = run_in_process([*TINY, *everything_asked_for(tmp_path),
                                     "--hang-timeout", "60"], capsys)
     assert rc == 130 and err == "interrupted", err
