@@ -84,7 +84,7 @@ def test_linear_takes_the_cpu_form_only_on_cpu(monkeypatch, backend, custom):
     is the plain einsum that XLA GPU/TPU lay out themselves."""
     from shardlib.models import layers
 
-    monkeypatch.setattr(layers.jax, "default_backend", lambda: backend)
+    monkeypatch.setattr(layers, "compute_platform", lambda: backend)  # the mesh's platform
     x, w = jnp.ones((2, 8, 16)), jnp.ones((16, 64))
     jaxpr = str(jax.make_jaxpr(lambda x, w: layers.linear("btd,df->btf", x, w))(x, w))
     assert ("custom_vjp_call" in jaxpr) is custom, jaxpr

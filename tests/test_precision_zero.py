@@ -67,7 +67,7 @@ def test_zero_stages_shard_state_and_train_like_dp(zero, dp_losses):
 
 
 def test_zero_stage_must_exist():
-    with pytest.raises(ConfigError, match="--zero 4: use 0, 1, 2 or 3"):
+    with pytest.raises(ConfigError, match=r"mesh.zero=4: must be in \[0, 3\]"):
         build_setup(with_(tiny_config(MeshConfig(data=8)), mesh=dict(zero=4)))
 
 
