@@ -122,14 +122,15 @@ def _dtypes(config: Config, profile: DeviceProfile) -> Dtypes:
 
 
 def analytic(config: Config, cand: Candidate, profile: DeviceProfile, budget: int) -> Scored:
-    """Figures, time and memory verdict from formulas alone."""
-    dt = _dtypes(config, profile)
-    comm = analytic_comm(config, cand, profile, dt.gather_bytes, dt.grad_bytes)
-    figures = Figures(flops_per_device(config, cand), comm,
-                      analytic_memory(config, cand, dt.compute_bytes, dt.gather_bytes),
+    """Figures, time and memory verdict from formulas alone, on the degrees the step runs
+    on (``Candidate.resolved``: ``--zero 3`` over ``data`` is FSDP)."""
+    dt, run = _dtypes(config, profile), cand.resolved(config)
+    comm = analytic_comm(config, run, profile, dt.gather_bytes, dt.grad_bytes)
+    figures = Figures(flops_per_device(config, run), comm,
+                      analytic_memory(config, run, dt.compute_bytes, dt.gather_bytes),
                       "analytic", traffic_bytes=memory_traffic(
-                          config, cand, dt.compute_bytes, dt.gather_bytes))
-    return Scored(cand, figures, predict(figures, cand, profile, dt.compute),
+                          config, run, dt.compute_bytes, dt.gather_bytes))
+    return Scored(cand, figures, predict(figures, run, profile, dt.compute),
                   verdict(figures.memory_bytes, budget, exact=False))
 
 
@@ -198,7 +199,7 @@ def compiled_figures(step: CompiledStep, config: Config, cand: Candidate,
     """Figures of a compiled step for ``profile``. Compiled on XLA CPU for a GPU/TPU
     profile, the CPU's emulated reduce-scatters and fp32 FSDP gathers are converted to
     what the target runs (``cost.compiled_comm``, ``cost.cross_compile_memory``)."""
-    compute_bytes = _dtypes(config, profile).compute_bytes
+    compute_bytes, cand = _dtypes(config, profile).compute_bytes, cand.resolved(config)
     cross = step.platform == "cpu" and profile.native_reduce_scatter
     comm = compiled_comm(step.collectives, native_reduce_scatter=cross,
                          fsdp_scale=compute_bytes / 4 if cross else 1.0)
@@ -319,7 +320,8 @@ def _refine(config: Config, scored: list[Scored], devices: list[jax.Device],
         spent += 0.0 if hit else figures.compile_s
         last = 0.0 if hit else figures.compile_s
         done += 1
-        s.figures, s.estimate = figures, predict(figures, s.candidate, profile, dtype)
+        s.figures = figures
+        s.estimate = predict(figures, s.candidate.resolved(config), profile, dtype)
         s.verdict = verdict(figures.memory_bytes, budget, exact=True)
         s.note = "compiled (cached)" if hit else f"compiled in {figures.compile_s:.1f} s"
         if s.fits:
@@ -332,7 +334,7 @@ def _price_switch(config: Config, scored: list[Scored], source: Mapping[str, int
     src = {a: int(source.get(a, 1)) for a in MESH_AXES}
     memo: dict[tuple, int] = {}
     for s in scored:
-        key = s.candidate.degrees
-        if key not in memo:
-            memo[key] = switch_bytes(config, src, s.candidate.sizes)
-        s.switch_bytes = memo[key]
+        run = s.candidate.resolved(config)
+        if run.degrees not in memo:
+            memo[run.degrees] = switch_bytes(config, src, run.sizes)
+        s.switch_bytes = memo[run.degrees]
