@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 
@@ -20,7 +21,7 @@ from shardlib.config import Config, TrainConfig, parse_mesh
 from shardlib.errors import ConfigError, ShardingError, ShardlibError
 from shardlib.mesh import MESH_AXES, make_mesh
 from shardlib.models import count_params, get_preset
-from shardlib.planner import cost, profiles, search, space
+from shardlib.planner import cost, profiles, report, search, space
 from shardlib.planner.resolve import resolve_auto
 from shardlib.reshard import reshard, reshard_cost, spec_move_bytes
 from shardlib.train.state import build_setup, mesh_degrees
@@ -106,6 +107,21 @@ def test_memory_verdicts_match_compiled_memory(compiled_tiny):
         truth = figures[c].memory_bytes <= budget
         assert seen[c].fits == truth, (c.key, seen[c].verdict, figures[c].memory_bytes, budget)
     assert all(s.fits for s in result.ranked) and not any(s.fits for s in result.over_budget)
+
+
+def test_zero3_over_data_is_costed_as_the_fsdp_it_runs(compiled_tiny):
+    """``--zero 3`` folds ``data`` into ``fsdp`` (the same program as ``fsdp=8``): its
+    analytic memory and comm are fsdp=8's, and within the margin of the compiled peak."""
+    _, figures = compiled_tiny
+    zero3 = dataclasses.replace(TINY, mesh=dataclasses.replace(TINY.mesh, zero=3))
+    assert build_setup(cand(data=8).apply(zero3), jax.devices()).sizes == \
+        build_setup(cand(fsdp=8).apply(TINY), jax.devices()).sizes
+    scored = search.analytic(zero3, cand(data=8), H100, 10**12)
+    as_fsdp = search.analytic(TINY, cand(fsdp=8), H100, 10**12)
+    assert scored.figures.memory_bytes == as_fsdp.figures.memory_bytes
+    assert set(scored.figures.comm) == {"fsdp"}
+    compiled = figures[cand(fsdp=8)].memory_bytes
+    assert abs(scored.figures.memory_bytes / compiled - 1) <= search.MEMORY_MARGIN
 
 
 def test_compiled_figures_match_the_theory_for_data_parallel(compiled_tiny):
@@ -300,6 +316,29 @@ def test_mesh_auto_resolves_to_a_concrete_mesh():
     setup = build_setup(resolved, jax.devices())
     assert math.prod(setup.mesh.shape.values()) == 8
     assert resolve_auto(TINY) is TINY
+
+
+def test_train_command_trains_the_planned_config():
+    """The suggested ``shardlib train`` line, parsed as the CLI parses it, gives the very
+    config the plan costed: model overrides, --zero, rules, precision and options kept."""
+    from shardlib.cli import build_parser, config_from_args
+
+    config = dataclasses.replace(
+        TINY, mesh=dataclasses.replace(TINY.mesh, zero=3, reshard_after_forward=False),
+        model=dataclasses.replace(TINY.model, num_layers=3, norm_eps=1e-5),
+        precision=dataclasses.replace(TINY.precision, policy="bf16"),
+        attention=dataclasses.replace(TINY.attention, impl="chunked"),
+        train=dataclasses.replace(TINY.train, batch_size=16), rules=(("vocab", ()),))
+    result = search.plan(config, 8, H100, remats=("full",), microbatches=(2,),
+                         pinned={"data": 8}, compile_top=0)
+    line = report.train_command(result, result.best)
+    args = build_parser().parse_args(shlex.split(line)[1:])
+    assert config_from_args(args) == result.best.candidate.apply(config), line
+    llama = dataclasses.replace(TINY, model=dataclasses.replace(TINY.model, name="mine"))
+    picked = search.plan(llama, 8, H100, compile_top=0, remats=("none",), microbatches=(1,))
+    line = report.train_command(picked, picked.best)
+    args = build_parser().parse_args(shlex.split(line)[1:])
+    assert config_from_args(args) == picked.best.candidate.apply(llama), line
 
 
 def test_plan_json_contract(tmp_path):
