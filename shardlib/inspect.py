@@ -12,7 +12,7 @@ import re
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,11 +121,14 @@ def analyze(config: Config, devices: list[jax.Device] | None = None, *,
                       facts, compiled_attention(attention_kernel(setup), facts), target)
 
 
-def compile_step(setup: TrainSetup, state: Any, batch: Any, target: Target | None):
-    """The compiled train step; a target compiler's out-of-memory refusal (TPU's
-    RESOURCE_EXHAUSTED) becomes ``OutOfMemoryError`` with its figures."""
+def compile_step(setup: TrainSetup, state: Any, batch: Any, target: Target | None, *,
+                 options: Mapping[str, Any] | None = None):
+    """The compiled train step (XLA ``options``, e.g. the planner's fast CPU ones); a
+    target compiler's out-of-memory refusal (TPU's RESOURCE_EXHAUSTED) becomes
+    ``OutOfMemoryError`` with its figures."""
     try:
-        return make_train_step(setup).lower(state, batch).compile()
+        return make_train_step(setup).lower(state, batch).compile(
+            compiler_options=dict(options or {}))
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise

@@ -303,6 +303,31 @@ def test_pick_is_a_sure_fit_before_a_faster_borderline_one():
     assert dataclasses.replace(result, ranked=[near]).best is near
 
 
+# --------------------------------------------------------------------------- target
+def test_plan_for_a_target_takes_its_devices_profile_budget_and_compiler():
+    """``target=``: 8 v5e chips, the v5e profile, 16 GiB each; the pick compiled by the
+    TPU compiler, and a step it refuses for memory is over the budget, not failed."""
+    pytest.importorskip("libtpu")
+    from shardlib.target import parse_target
+
+    target = parse_target("v5e:2x4")
+    fits = search.plan(TINY, target=target, remats=("none",), microbatches=(1,),
+                       pinned={"data": 8}, compile_top=1, persist_cache=False)
+    assert (fits.num_devices, fits.profile.name, fits.budget_bytes) == (8, "v5e", 16 * 2**30)
+    assert fits.best.compiled and fits.best.verdict == "fits", fits.best.note
+    long = dataclasses.replace(TINY, model=dataclasses.replace(TINY.model, max_seq_len=16384),
+                               train=dataclasses.replace(TINY.train, seq_len=16384))
+    refused = search.plan(long, target=target, remats=("none",), microbatches=(1,),
+                          pinned={"data": 8}, compile_top=1, persist_cache=False)
+    assert refused.best is None and len(refused.over_budget) == 1
+    over = refused.over_budget[0]
+    assert over.compiled and "TPU compiler: does not fit" in over.note, over.note
+    assert over.figures.memory_bytes > target.hbm_bytes
+    with pytest.raises(ConfigError, match="has 8 devices"):
+        search.plan(TINY, 16, target=target)
+    assert report.to_json(fits)["target"]["chips"] == 8
+
+
 # --------------------------------------------------------------------------- auto / CLI
 def test_mesh_auto_resolves_to_a_concrete_mesh():
     auto = dataclasses.replace(TINY, mesh=parse_mesh("auto"))

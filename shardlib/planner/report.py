@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from shardlib.config import Config, TrainConfig, parse_mesh
+from shardlib.inspect import target_dict
 from shardlib.models.presets import PRESETS
 from shardlib.planner.search import Plan, Scored
 from shardlib.planner.space import Rejected
@@ -95,6 +96,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "over_budget": [scored_dict(s) for s in plan.over_budget],
         "rejected": [rejected_dict(r) for r in plan.rejected],
         "compiles": plan.compiles, "elapsed_s": plan.elapsed_s, "notes": plan.notes,
+        "target": None if plan.target is None else target_dict(
+            plan.target, fits=best is not None),
     }
 
 
@@ -134,6 +137,9 @@ def render(plan: Plan, top: int = 10, console: Console | None = None) -> None:
     """The ranked table, why the others were dropped, and the winner's train command."""
     console = console or Console(width=140)
     p = plan.profile
+    if plan.target is not None:
+        console.print(plan.target.describe() + f"; compiled by the {plan.target.platform.upper()}"
+                      " compiler")
     console.print(f"[bold]plan[/bold] {plan.config.model.name}: {plan.num_devices} x "
                   f"{p.name} ({p.source}), batch {plan.config.train.batch_size} x "
                   f"{plan.config.train.seq_len}, {plan.config.precision.policy}; "

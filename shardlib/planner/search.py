@@ -15,6 +15,7 @@ promising ones ahead of time (abstract inputs, nothing allocated) for exact figu
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -27,7 +28,8 @@ import jax
 from shardlib.analysis.hlo import parse_collectives
 from shardlib.analysis.memory import compiled_memory, state_bytes
 from shardlib.config import Config, to_dict
-from shardlib.inspect import abstract_batch
+from shardlib.errors import ConfigError, OutOfMemoryError
+from shardlib.inspect import abstract_batch, compile_step
 from shardlib.mesh import MESH_AXES
 from shardlib.planner.cost import (
     Estimate,
@@ -40,12 +42,12 @@ from shardlib.planner.cost import (
     memory_traffic,
     predict,
 )
-from shardlib.planner.profiles import DeviceProfile, cache_dir
+from shardlib.planner.profiles import DeviceProfile, cache_dir, target_profile
 from shardlib.planner.space import MICROBATCHES, REMATS, Candidate, Rejected, enumerate_space
 from shardlib.planner.switch import switch_bytes
 from shardlib.precision import resolve as resolve_policy
+from shardlib.target import Target, parse_target
 from shardlib.train.state import abstract_state, build_setup
-from shardlib.train.step import make_train_step
 
 MEMORY_MARGIN = 0.3
 """How far the analytic memory estimate may be off before a verdict needs a compile."""
@@ -88,6 +90,7 @@ class Plan:
     elapsed_s: float = 0.0
     compiles: int = 0
     notes: list[str] = field(default_factory=list)
+    target: Target | None = None  # compiled for this slice / node (``shardlib.target``)
 
     @property
     def best(self) -> Scored | None:
@@ -163,6 +166,7 @@ class CompiledStep:
     state_bytes: int
     compile_s: float
     collectives: tuple[SeenCollective, ...]
+    out_of_memory: bool = False  # the target's compiler refused it (memory_bytes: needed)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -182,8 +186,7 @@ def compile_candidate(config: Config, cand: Candidate, devices: list[jax.Device]
     setup = build_setup(cand.apply(config), devices)
     state, batch = abstract_state(setup), abstract_batch(setup)
     started = time.perf_counter()
-    compiled = make_train_step(setup).lower(state, batch).compile(
-        compiler_options=dict(options or {}))
+    compiled = compile_step(setup, state, batch, None, options=options)
     seconds = time.perf_counter() - started
     mem = compiled_memory(compiled)
     peak = mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"] + mem["temp_bytes"]
@@ -229,7 +232,12 @@ class CompileCache:
         if key in self.entries:
             return CompiledStep.from_dict(self.entries[key]), True
         options = FAST_CPU_COMPILE if devices[0].platform == "cpu" else {}
-        step, _ = compile_candidate(config, cand, devices, options=options)
+        started = time.perf_counter()
+        try:
+            step, _ = compile_candidate(config, cand, devices, options=options)
+        except OutOfMemoryError as err:  # a verdict too: cached like a compiled step
+            step = CompiledStep(devices[0].platform, err.required_bytes or 0, 0,
+                                time.perf_counter() - started, (), out_of_memory=True)
         self.put(config, cand, devices, step)
         return step, False
 
@@ -246,7 +254,8 @@ PRUNE_SLACK = 0.1
 """Prune when the analytic estimate exceeds the best compiled time by more than this."""
 
 
-def plan(config: Config, num_devices: int, profile: DeviceProfile, *,
+def plan(config: Config, num_devices: int | None = None,
+         profile: DeviceProfile | None = None, *, target: str | Target | None = None,
          budget_bytes: int | None = None, remats: Iterable[str] = REMATS,
          microbatches: Iterable[int] = MICROBATCHES, pinned: Mapping[str, int] | None = None,
          devices: list[jax.Device] | None = None, compile_top: int = 4,
@@ -255,12 +264,17 @@ def plan(config: Config, num_devices: int, profile: DeviceProfile, *,
          progress: Callable[[str], None] | None = None) -> Plan:
     """Rank every valid candidate for ``config`` on ``num_devices`` devices of ``profile``.
 
-    ``devices``: what to compile on (default: this process's devices, if there are
-    ``num_devices`` of them); without them every figure stays analytic. ``from_mesh``:
-    degrees the train state lives on now; each candidate is priced for the switch.
+    ``target`` (``v5p-128``, ``h100x8``, ...): plan for that slice or node instead: its
+    device count, its chip's profile, its HBM as the budget, and the top candidates
+    compiled by its compiler (``shardlib.target``). ``devices``: what to compile on
+    (default: this process's devices, if there are ``num_devices`` of them); without them
+    every figure stays analytic. ``from_mesh``: degrees the train state lives on now;
+    each candidate is priced for the switch.
     """
     started = time.perf_counter()
-    budget = int(budget_bytes or profile.memory_bytes)
+    target = parse_target(target) if isinstance(target, str) else target
+    num_devices, profile, devices = _for_target(target, num_devices, profile, devices)
+    budget = int(budget_bytes or (target.hbm_bytes if target else profile.memory_bytes))
     valid, rejected = enumerate_space(config, num_devices, remats=remats,
                                       microbatches=microbatches, pinned=pinned)
     scored = sorted((analytic(config, c, profile, budget) for c in valid),
@@ -280,7 +294,22 @@ def plan(config: Config, num_devices: int, profile: DeviceProfile, *,
     over = [s for s in scored if s.verdict == "over"]
     rejected += [Rejected(s.candidate, s.note) for s in scored if s.verdict == "failed"]
     return Plan(config, num_devices, profile, budget, ranked, over, rejected,
-                time.perf_counter() - started, compiles, notes)
+                time.perf_counter() - started, compiles, notes, target)
+
+
+def _for_target(target: Target | None, num_devices: int | None,
+                profile: DeviceProfile | None, devices: list[jax.Device] | None,
+                ) -> tuple[int, DeviceProfile, list[jax.Device] | None]:
+    """(device count, profile, devices to compile on): the target's, or those given."""
+    if target is None:
+        if num_devices is None or profile is None:
+            raise ConfigError("plan: give num_devices and a profile (--devices, "
+                              "--device-profile), or a target (--target v5p-128)")
+        return num_devices, profile, devices
+    if num_devices not in (None, target.num_devices):
+        raise ConfigError(f"--devices {num_devices}: target {target.name} has "
+                          f"{target.num_devices} devices; leave --devices out with --target")
+    return target.num_devices, profile or target_profile(target), target.devices()
 
 
 def _compile_devices(devices: list[jax.Device] | None,
@@ -293,9 +322,9 @@ def _refine(config: Config, scored: list[Scored], devices: list[jax.Device],
             profile: DeviceProfile, budget: int, top: int, budget_s: float,
             cache: CompileCache, progress: Callable[[str], None] | None) -> int:
     """Compile candidates in predicted order (see the module docstring); returns how many
-    were compiled or read from the cache."""
+    were compiled or read from the cache (those the compiler refused for memory too)."""
     dtype = _dtypes(config, profile).compute
-    best, spent, last, done = float("inf"), 0.0, 0.0, 0
+    best, spent, last, done, tried = float("inf"), 0.0, 0.0, 0, 0
     for s in scored:
         if s.verdict == "over":
             continue
@@ -305,7 +334,7 @@ def _refine(config: Config, scored: list[Scored], devices: list[jax.Device],
         if done >= top and s.verdict != "borderline":
             s.note = f"not compiled (outside the top {top})"
             continue
-        if done and spent + last > budget_s:
+        if tried and spent + last > budget_s:
             s.note = f"not compiled: compile budget {budget_s:.0f} s spent"
             continue
         if progress:
@@ -317,8 +346,11 @@ def _refine(config: Config, scored: list[Scored], devices: list[jax.Device],
             s.verdict, s.note = "failed", f"compile failed: {type(err).__name__}: " + \
                 (str(err).strip().splitlines() or [""])[0][:200]
             continue
-        spent += 0.0 if hit else figures.compile_s
-        last = 0.0 if hit else figures.compile_s
+        last = 0.0 if hit else step.compile_s
+        spent, tried = spent + last, tried + 1
+        if step.out_of_memory:  # does not count towards ``top``: look further for a fit
+            _refused(s, step, budget)
+            continue
         done += 1
         s.figures = figures
         s.estimate = predict(figures, s.candidate.resolved(config), profile, dtype)
@@ -326,7 +358,17 @@ def _refine(config: Config, scored: list[Scored], devices: list[jax.Device],
         s.note = "compiled (cached)" if hit else f"compiled in {figures.compile_s:.1f} s"
         if s.fits:
             best = min(best, s.estimate.step_s)
-    return done
+    return tried
+
+
+def _refused(s: Scored, step: CompiledStep, budget: int) -> None:
+    """The target's compiler found no room for ``s``: over the budget, by its figure."""
+    needed = max(step.memory_bytes, budget + 1)
+    s.figures = dataclasses.replace(s.figures, memory_bytes=needed, source="compiled",
+                                    compile_s=step.compile_s)
+    s.verdict = "over"
+    s.note = (f"the {step.platform.upper()} compiler: does not fit"
+              + (f" (needs {step.memory_bytes / 2**30:.2f} GiB)" if step.memory_bytes else ""))
 
 
 def _price_switch(config: Config, scored: list[Scored], source: Mapping[str, int]) -> None:
