@@ -114,7 +114,8 @@ def analyze(config: Config, devices: list[jax.Device] | None = None, *,
     text = compiled.as_text()
     collectives = parse_collectives(text, setup.mesh)
     terms = comm_terms(config, setup.sizes)
-    memory = memory_report(compiled, state, batch, state_bytes_per_device(config, setup.sizes))
+    memory = memory_report(compiled, state, batch, state_bytes_per_device(config, setup.sizes),
+                           platform_of(setup.mesh))
     flops = flops_report(config, compiled, setup.mesh.devices.size)
     facts = kernel_facts(text)
     return Inspection(setup, collectives, terms, memory, peak_formula(setup), flops, compile_s,

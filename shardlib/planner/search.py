@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import jax
 
 from shardlib.analysis.hlo import parse_collectives
-from shardlib.analysis.memory import compiled_memory, state_bytes
+from shardlib.analysis.memory import compiled_memory, peak_of, state_bytes
 from shardlib.config import Config, to_dict
 from shardlib.errors import ConfigError, OutOfMemoryError
 from shardlib.inspect import abstract_batch, compile_step
@@ -118,7 +118,7 @@ class Dtypes(NamedTuple):
 
 
 def _dtypes(config: Config, profile: DeviceProfile) -> Dtypes:
-    policy = resolve_policy(config.precision)
+    policy = resolve_policy(config.precision, profile.platform)  # auto: bf16 on GPU/TPU
     gather = policy.param.itemsize if not profile.native_reduce_scatter else \
         policy.compute.itemsize  # XLA CPU gathers in the parameter dtype (parallel/fsdp.py)
     return Dtypes(policy.compute.name, policy.compute.itemsize, gather, policy.grad.itemsize)
@@ -162,7 +162,7 @@ class CompiledStep:
     """One compiled train step, as the backend it was compiled on reports it."""
 
     platform: str
-    memory_bytes: int  # peak per device: arguments + outputs - aliased + temporaries
+    memory_bytes: int  # peak per device (``analysis.memory.peak_of``)
     state_bytes: int
     compile_s: float
     collectives: tuple[SeenCollective, ...]
@@ -188,8 +188,7 @@ def compile_candidate(config: Config, cand: Candidate, devices: list[jax.Device]
     started = time.perf_counter()
     compiled = compile_step(setup, state, batch, None, options=options)
     seconds = time.perf_counter() - started
-    mem = compiled_memory(compiled)
-    peak = mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"] + mem["temp_bytes"]
+    peak = peak_of(compiled_memory(compiled), devices[0].platform)
     seen = tuple(SeenCollective(c.kind, c.axes, c.dtype, c.total_bytes_per_device, c.count,
                                 c.group_size, c.emulated_reduce_scatter)
                  for c in parse_collectives(compiled.as_text(), setup.mesh))
