@@ -56,6 +56,7 @@ class DeviceProfile:
     native_reduce_scatter: bool = True  # False on XLA CPU: all-reduce + slice, 2x bytes
     memory_bandwidth: float = 0.0  # bytes/s to the device's own memory (0: not modelled)
     source: str = "preset"
+    platform: str = "gpu"  # gpu | tpu | cpu: precision auto's dtypes, the memory model's terms
 
     def flops(self, dtype: str) -> float:
         """Peak FLOP/s for matmuls in ``dtype`` (fp32 if the dtype is not listed)."""
@@ -99,17 +100,17 @@ PRESETS: dict[str, DeviceProfile] = {
     # one torus axis uses two links; DCN: the host NICs shared by its chips.
     "v4": DeviceProfile("v4", {"bfloat16": 275e12, "float32": 275e12}, 32 * GIB, 4096,
                         Link(80e9, 5e-6), _DCN, compute_efficiency=0.6,
-                        memory_bandwidth=1.2e12),
+                        memory_bandwidth=1.2e12, platform="tpu"),
     "v5e": DeviceProfile("v5e", {"bfloat16": 197e12, "float32": 197e12}, 16 * GIB, 256,
                          Link(90e9, 5e-6), _DCN, compute_efficiency=0.65,
-                         memory_bandwidth=819e9),
+                         memory_bandwidth=819e9, platform="tpu"),
     "v5p": DeviceProfile("v5p", {"bfloat16": 459e12, "float32": 459e12}, 95 * GIB, 8960,
                          Link(180e9, 5e-6), _DCN, compute_efficiency=0.7,
-                         memory_bandwidth=2.76e12),
+                         memory_bandwidth=2.76e12, platform="tpu"),
     # v6e (Trillium): 918 TFLOP/s bf16, 32 GB at 1.64 TB/s, 800 GB/s ICI over 4 ports.
     "v6e": DeviceProfile("v6e", {"bfloat16": 918e12, "float32": 918e12}, 32 * GIB, 256,
                          Link(180e9, 5e-6), _DCN, compute_efficiency=0.65,
-                         memory_bandwidth=1.64e12),
+                         memory_bandwidth=1.64e12, platform="tpu"),
 }
 
 
@@ -226,7 +227,7 @@ def _profile_from_measurement(m: Mapping[str, float], num_devices: int) -> Devic
     return DeviceProfile("cpu", {"float32": m["peak_flops"]}, memory, num_devices, link, link,
                          compute_efficiency=1.0, overlap=False, overlap_tax=0.0,
                          native_reduce_scatter=False, memory_bandwidth=m["memory_bandwidth"],
-                         source=f"measured on {num_devices} simulated CPU devices")
+                         source=f"measured on {num_devices} simulated CPU devices", platform="cpu")
 
 
 def _best_time(fn, *args, reps: int = 5) -> float:
