@@ -15,9 +15,11 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardlib.analysis import theory
 from shardlib.analysis.hlo import comm_bytes_per_device, parse_collectives
+from shardlib.analysis.memory import peak_of
 from shardlib.cli.plan import parse_bytes, parse_pinned
-from shardlib.config import Config, TrainConfig, parse_mesh
+from shardlib.config import Config, PrecisionConfig, TrainConfig, parse_mesh
 from shardlib.errors import ConfigError, ShardingError, ShardlibError
 from shardlib.mesh import MESH_AXES, make_mesh
 from shardlib.models import count_params, get_preset
@@ -27,7 +29,8 @@ from shardlib.reshard import reshard, reshard_cost, spec_move_bytes
 from shardlib.train.state import build_setup, mesh_degrees
 
 TINY = Config(model=get_preset("tiny"), train=TrainConfig(batch_size=8, seq_len=32,
-                                                           data="synthetic"))
+                                                           data="synthetic"),
+              precision=PrecisionConfig(policy="fp32"))  # fp32 on CPU and on H100 alike
 H100 = profiles.PRESETS["h100"]
 
 
@@ -122,6 +125,23 @@ def test_zero3_over_data_is_costed_as_the_fsdp_it_runs(compiled_tiny):
     assert set(scored.figures.comm) == {"fsdp"}
     compiled = figures[cand(fsdp=8)].memory_bytes
     assert abs(scored.figures.memory_bytes / compiled - 1) <= search.MEMORY_MARGIN
+
+
+def test_parameter_counts_follow_grouped_query_attention_and_gated_mlps():
+    """The formulas count Llama 3's shapes (8 K/V heads, SwiGLU) as the model builds them."""
+    for name in ("tiny", "llama3-8b"):
+        counts = theory.param_counts(get_preset(name))
+        assert counts.tensor_split + counts.tensor_replicated == count_params(get_preset(name))
+    assert count_params(get_preset("llama3-8b")) == 8_030_261_248  # Meta's 8.03B
+
+
+def test_a_tpu_step_is_held_against_its_compilers_own_peak():
+    """On TPU the compiler's peak (what it refuses a step by) decides, not arguments +
+    temporaries; elsewhere the sum (XLA CPU reports only its arguments as a peak)."""
+    memory = {"argument_bytes": 10, "output_bytes": 10, "alias_bytes": 10, "temp_bytes": 5,
+              "generated_code_bytes": 1, "peak_memory_bytes": 40}
+    assert peak_of(memory, "tpu") == 40 and peak_of(memory, "cpu") == 15
+    assert peak_of({**memory, "peak_memory_bytes": None}, "tpu") == 15
 
 
 def test_compiled_figures_match_the_theory_for_data_parallel(compiled_tiny):
@@ -230,7 +250,7 @@ def test_profile_file_overrides_a_preset(tmp_path):
     with pytest.raises(ConfigError, match="unknown field 'hbm'"):
         profiles.get_profile(str(path))
     with pytest.raises(ConfigError, match="not a preset"):
-        profiles.get_profile("a100")
+        profiles.get_profile("a200")
 
 
 def test_parse_bytes():
