@@ -164,10 +164,11 @@ def attention_kernel(setup: TrainSetup) -> str:
 def peak_formula(setup: TrainSetup) -> PeakTerms:
     """``analysis.peak`` for this setup: its path, microbatches and dtypes."""
     config, compute = setup.config, jnp.dtype(setup.policy.compute).itemsize
-    cpu = setup.mesh.devices.flat[0].platform == "cpu"
+    platform = platform_of(setup.mesh)
+    cpu = platform == "cpu"
     return peak_terms(config, setup.sizes, explicit=tensor.gathers_by_hand(config, setup.sizes),
                       microbatches=config.train.grad_accum, compute_bytes=compute,
-                      gather_bytes=4 if cpu else compute, prefetch=not cpu)
+                      gather_bytes=4 if cpu else compute, prefetch=not cpu, platform=platform)
 
 
 # ----------------------------------------------------------------------------- JSON

@@ -270,9 +270,10 @@ OPTIMIZER_PASSES = 7  # parameter-sized arrays AdamW's update reads and writes
 
 
 def analytic_memory(config: Config, cand: Candidate, compute_bytes: int,
-                    gather_bytes: int) -> int:
-    """Peak bytes per device (``analysis.peak``): state, gradients and update, FSDP's
-    working set, activations.
+                    gather_bytes: int, platform: str = "cpu") -> int:
+    """Peak bytes per device (``analysis.peak``) with ``platform``'s buffer counts:
+    state, gradients and update, FSDP's working set (the next layer's gather prefetched
+    off CPU), activations, TPU layout padding.
 
     ``gather_bytes``: bytes per element FSDP gathers weights in (the compute dtype on
     GPU/TPU, the parameter dtype on XLA CPU; see ``parallel.fsdp``).
@@ -280,7 +281,8 @@ def analytic_memory(config: Config, cand: Candidate, compute_bytes: int,
     config = cand.apply(config)
     return peak_terms(config, cand.sizes, explicit=explicit_path(config, cand),
                       microbatches=cand.microbatches, compute_bytes=compute_bytes,
-                      gather_bytes=gather_bytes).total
+                      gather_bytes=gather_bytes, prefetch=platform != "cpu",
+                      platform=platform).total
 
 
 def gathered_bytes(config: Config, cand: Candidate, gather_bytes: int) -> float:

@@ -130,7 +130,8 @@ def analytic(config: Config, cand: Candidate, profile: DeviceProfile, budget: in
     dt, run = _dtypes(config, profile), cand.resolved(config)
     comm = analytic_comm(config, run, profile, dt.gather_bytes, dt.grad_bytes)
     figures = Figures(flops_per_device(config, run), comm,
-                      analytic_memory(config, run, dt.compute_bytes, dt.gather_bytes),
+                      analytic_memory(config, run, dt.compute_bytes, dt.gather_bytes,
+                                      profile.platform),
                       "analytic", traffic_bytes=memory_traffic(
                           config, run, dt.compute_bytes, dt.gather_bytes))
     return Scored(cand, figures, predict(figures, run, profile, dt.compute),
