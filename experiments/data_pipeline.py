@@ -148,12 +148,7 @@ def write_prepare_results(size: int, repeats: int, rates: dict[int, float]) -> N
            "load_average": os.getloadavg()[0], "cpus": os.cpu_count()}
     print(f"data prepare (median of {repeats}): 1 worker {rates[1]:.2f} MB/s, 2 workers "
           f"{rates[2]:.2f} MB/s (load average {row['load_average']:.1f} on {row['cpus']} cpus)")
-    PREPARE_RESULTS.parent.mkdir(exist_ok=True)
-    with PREPARE_RESULTS.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(row))
-        writer.writeheader()
-        writer.writerow(row)
-    print(f"wrote {PREPARE_RESULTS}")
+    write_row(PREPARE_RESULTS, row)
 
 
 def main() -> None:
@@ -212,13 +207,19 @@ def main() -> None:
               f"; step {steps[f'step_s_{mode}'] * 1e3:.1f} ms): prefetch "
               f"{steps[f'stall_prefetch_{mode}']:+.1%}, no prefetch "
               f"{steps[f'stall_no_prefetch_{mode}']:+.1%} (goal <= 2% with prefetch)")
-    RESULTS.parent.mkdir(exist_ok=True)
-    with RESULTS.open("w", newline="") as f:
+    write_row(RESULTS, row)
+
+
+def write_row(path: Path, row: dict) -> None:
+    """One CSV row with its header at ``path`` (a results file)."""
+    path.parent.mkdir(exist_ok=True)
+    with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(row))
         writer.writeheader()
         writer.writerow(row)
-    print(f"wrote {RESULTS}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
     main()
+
