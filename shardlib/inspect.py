@@ -12,7 +12,7 @@ import re
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,18 +115,22 @@ def analyze(config: Config, devices: list[jax.Device] | None = None, *,
     collectives = parse_collectives(text, setup.mesh)
     terms = comm_terms(config, setup.sizes, gather_bytes=gather_bytes(setup),
                        act_bytes=activation_bytes(setup))
-    memory = memory_report(compiled, state, batch, state_bytes_per_device(config, setup.sizes))
+    memory = memory_report(compiled, state, batch, state_bytes_per_device(config, setup.sizes),
+                           platform_of(setup.mesh))
     flops = flops_report(config, compiled, setup.mesh.devices.size)
     facts = kernel_facts(text)
     return Inspection(setup, collectives, terms, memory, peak_formula(setup), flops, compile_s,
                       facts, compiled_attention(attention_kernel(setup), facts), target)
 
 
-def compile_step(setup: TrainSetup, state: Any, batch: Any, target: Target | None):
-    """The compiled train step; a target compiler's out-of-memory refusal (TPU's
-    RESOURCE_EXHAUSTED) becomes ``OutOfMemoryError`` with its figures."""
+def compile_step(setup: TrainSetup, state: Any, batch: Any, target: Target | None, *,
+                 options: Mapping[str, Any] | None = None):
+    """The compiled train step (XLA ``options``, e.g. the planner's fast CPU ones); a
+    target compiler's out-of-memory refusal (TPU's RESOURCE_EXHAUSTED) becomes
+    ``OutOfMemoryError`` with its figures."""
     try:
-        return make_train_step(setup).lower(state, batch).compile()
+        return make_train_step(setup).lower(state, batch).compile(
+            compiler_options=dict(options or {}))
     except jax.errors.JaxRuntimeError as err:
         if "RESOURCE_EXHAUSTED" not in str(err):
             raise
@@ -179,10 +183,11 @@ def activation_bytes(setup: TrainSetup) -> int:
 def peak_formula(setup: TrainSetup) -> PeakTerms:
     """``analysis.peak`` for this setup: its path, microbatches and dtypes."""
     config, compute = setup.config, jnp.dtype(setup.policy.compute).itemsize
-    cpu = platform_of(setup.mesh) == "cpu"
+    platform = platform_of(setup.mesh)
+    cpu = platform == "cpu"
     return peak_terms(config, setup.sizes, explicit=tensor.gathers_by_hand(config, setup.sizes),
                       microbatches=config.train.grad_accum, compute_bytes=compute,
-                      gather_bytes=4 if cpu else compute, prefetch=not cpu)
+                      gather_bytes=4 if cpu else compute, prefetch=not cpu, platform=platform)
 
 
 # ----------------------------------------------------------------------------- JSON

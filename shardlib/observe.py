@@ -16,7 +16,7 @@ from typing import Any
 import jax
 
 from shardlib.analysis.flops import model_flops_per_token
-from shardlib.analysis.memory import compiled_memory
+from shardlib.analysis.memory import compiled_memory, peak_of
 from shardlib.analysis.mfu import Peak, peak_flops
 from shardlib.config import TrainConfig
 from shardlib.errors import ConfigError
@@ -102,13 +102,10 @@ def device_memory_bytes(devices: list[jax.Device]) -> int | None:
     return max(peaks) if peaks else None
 
 
-def compiled_peak_bytes(compiled: jax.stages.Compiled) -> int | None:
-    """Arguments + non-aliased outputs + temporaries of one device (XLA's static plan)."""
-    mem = compiled_memory(compiled)
-    if any(mem[k] is None for k in ("argument_bytes", "output_bytes", "alias_bytes",
-                                      "temp_bytes")):
-        return None
-    return mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"] + mem["temp_bytes"]
+def compiled_peak_bytes(compiled: jax.stages.Compiled, platform: str = "cpu") -> int | None:
+    """One device's peak in XLA's static plan (``analysis.memory.peak_of``): arguments +
+    non-aliased outputs + temporaries, or the TPU compiler's own peak on a TPU."""
+    return peak_of(compiled_memory(compiled), platform)
 
 
 class RunObserver:
@@ -125,7 +122,7 @@ class RunObserver:
 
     def on_compiled(self, compiled: jax.stages.Compiled) -> None:
         """Read XLA's memory plan of the compiled step (the CPU memory figure)."""
-        self.planned_bytes = compiled_peak_bytes(compiled)
+        self.planned_bytes = compiled_peak_bytes(compiled, self.devices[0].platform)
 
     @property
     def peak(self) -> Peak:

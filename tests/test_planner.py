@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 
@@ -14,19 +15,22 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from shardlib.analysis import theory
 from shardlib.analysis.hlo import comm_bytes_per_device, parse_collectives
+from shardlib.analysis.memory import peak_of
 from shardlib.cli.plan import parse_bytes, parse_pinned
-from shardlib.config import Config, TrainConfig, parse_mesh
+from shardlib.config import Config, PrecisionConfig, TrainConfig, parse_mesh
 from shardlib.errors import ConfigError, ShardingError, ShardlibError
 from shardlib.mesh import MESH_AXES, make_mesh
 from shardlib.models import count_params, get_preset
-from shardlib.planner import cost, profiles, search, space
+from shardlib.planner import cost, profiles, report, search, space
 from shardlib.planner.resolve import resolve_auto
 from shardlib.reshard import reshard, reshard_cost, spec_move_bytes
 from shardlib.train.state import build_setup, mesh_degrees
 
 TINY = Config(model=get_preset("tiny"), train=TrainConfig(batch_size=8, seq_len=32,
-                                                           data="synthetic"))
+                                                           data="synthetic"),
+              precision=PrecisionConfig(policy="fp32"))  # fp32 on CPU and on H100 alike
 H100 = profiles.PRESETS["h100"]
 
 
@@ -106,6 +110,39 @@ def test_memory_verdicts_match_compiled_memory(compiled_tiny):
         truth = figures[c].memory_bytes <= budget
         assert seen[c].fits == truth, (c.key, seen[c].verdict, figures[c].memory_bytes, budget)
     assert all(s.fits for s in result.ranked) and not any(s.fits for s in result.over_budget)
+
+
+def test_zero3_over_data_is_costed_as_the_fsdp_it_runs(compiled_tiny):
+    """``--zero 3`` folds ``data`` into ``fsdp`` (the same program as ``fsdp=8``): its
+    analytic memory and comm are fsdp=8's, and within the margin of the compiled peak."""
+    _, figures = compiled_tiny
+    zero3 = dataclasses.replace(TINY, mesh=dataclasses.replace(TINY.mesh, zero=3))
+    assert build_setup(cand(data=8).apply(zero3), jax.devices()).sizes == \
+        build_setup(cand(fsdp=8).apply(TINY), jax.devices()).sizes
+    cpu = dataclasses.replace(H100, platform="cpu", native_reduce_scatter=False)
+    scored = search.analytic(zero3, cand(data=8), cpu, 10**12)
+    as_fsdp = search.analytic(TINY, cand(fsdp=8), cpu, 10**12)
+    assert scored.figures.memory_bytes == as_fsdp.figures.memory_bytes
+    assert set(scored.figures.comm) == {"fsdp"}
+    compiled = figures[cand(fsdp=8)].memory_bytes
+    assert abs(scored.figures.memory_bytes / compiled - 1) <= search.MEMORY_MARGIN
+
+
+def test_parameter_counts_follow_grouped_query_attention_and_gated_mlps():
+    """The formulas count Llama 3's shapes (8 K/V heads, SwiGLU) as the model builds them."""
+    for name in ("tiny", "llama3-8b"):
+        counts = theory.param_counts(get_preset(name))
+        assert counts.tensor_split + counts.tensor_replicated == count_params(get_preset(name))
+    assert count_params(get_preset("llama3-8b")) == 8_030_261_248  # Meta's 8.03B
+
+
+def test_a_tpu_step_is_held_against_its_compilers_own_peak():
+    """On TPU the compiler's peak (what it refuses a step by) decides, not arguments +
+    temporaries; elsewhere the sum (XLA CPU reports only its arguments as a peak)."""
+    memory = {"argument_bytes": 10, "output_bytes": 10, "alias_bytes": 10, "temp_bytes": 5,
+              "generated_code_bytes": 1, "peak_memory_bytes": 40}
+    assert peak_of(memory, "tpu") == 40 and peak_of(memory, "cpu") == 15
+    assert peak_of({**memory, "peak_memory_bytes": None}, "tpu") == 15
 
 
 def test_compiled_figures_match_the_theory_for_data_parallel(compiled_tiny):
@@ -214,7 +251,7 @@ def test_profile_file_overrides_a_preset(tmp_path):
     with pytest.raises(ConfigError, match="unknown field 'hbm'"):
         profiles.get_profile(str(path))
     with pytest.raises(ConfigError, match="not a preset"):
-        profiles.get_profile("a100")
+        profiles.get_profile("a200")
 
 
 def test_parse_bytes():
@@ -287,6 +324,50 @@ def test_pick_is_a_sure_fit_before_a_faster_borderline_one():
     assert dataclasses.replace(result, ranked=[near]).best is near
 
 
+# --------------------------------------------------------------------------- target
+def test_plan_for_a_target_takes_its_devices_profile_budget_and_compiler():
+    """``target=``: 8 v5e chips, the v5e profile, 16 GiB each; the pick compiled by the
+    TPU compiler, and a step it refuses for memory is over the budget, not failed."""
+    pytest.importorskip("libtpu")
+    from shardlib.target import parse_target
+
+    target = parse_target("v5e:2x4")
+    fits = search.plan(TINY, target=target, remats=("none",), microbatches=(1,),
+                       pinned={"data": 8}, compile_top=1, persist_cache=False)
+    assert (fits.num_devices, fits.profile.name, fits.budget_bytes) == (8, "v5e", 16 * 2**30)
+    assert fits.best.compiled and fits.best.verdict == "fits", fits.best.note
+    long = dataclasses.replace(TINY, model=dataclasses.replace(TINY.model, max_seq_len=16384),
+                               train=dataclasses.replace(TINY.train, seq_len=16384))
+    refused = search.plan(long, target=target, remats=("none",), microbatches=(1,),
+                          pinned={"data": 8}, compile_top=1, persist_cache=False)
+    assert refused.best is None and len(refused.over_budget) == 1
+    over = refused.over_budget[0]
+    assert over.compiled and "TPU compiler: does not fit" in over.note, over.note
+    assert over.figures.memory_bytes > target.hbm_bytes
+    with pytest.raises(ConfigError, match="has 8 devices"):
+        search.plan(TINY, 16, target=target)
+    assert report.to_json(fits)["target"]["chips"] == 8
+
+
+@pytest.mark.parametrize("mesh, remat", [("fsdp=8", "full"), ("tensor=8", "none")])
+def test_tpu_memory_estimate_is_the_tpu_compilers(mesh, remat):
+    """The planner's analytic memory for a TPU target (the TPU compiler's buffer counts,
+    ``analysis.peak.TPU_COUNTS``) is within 15% of that compiler's own peak; XLA CPU's
+    counts were 1.18x and 1.69x over it."""
+    pytest.importorskip("libtpu")
+    from shardlib.target import parse_target
+
+    target = parse_target("v5e:2x4")
+    config = dataclasses.replace(TINY, model=get_preset("small"),
+                                 train=dataclasses.replace(TINY.train, batch_size=16,
+                                                           seq_len=256))
+    c = cand(remat, **parse_mesh(mesh).degrees())
+    step, _ = search.compile_candidate(config, c, target.devices())
+    predicted = search.analytic(config, c, profiles.target_profile(target), 2**40)
+    assert abs(predicted.figures.memory_bytes / step.memory_bytes - 1) <= 0.15, \
+        (predicted.figures.memory_bytes, step.memory_bytes)
+
+
 # --------------------------------------------------------------------------- auto / CLI
 def test_mesh_auto_resolves_to_a_concrete_mesh():
     auto = dataclasses.replace(TINY, mesh=parse_mesh("auto"))
@@ -300,6 +381,29 @@ def test_mesh_auto_resolves_to_a_concrete_mesh():
     setup = build_setup(resolved, jax.devices())
     assert math.prod(setup.mesh.shape.values()) == 8
     assert resolve_auto(TINY) is TINY
+
+
+def test_train_command_trains_the_planned_config():
+    """The suggested ``shardlib train`` line, parsed as the CLI parses it, gives the very
+    config the plan costed: model overrides, --zero, rules, precision and options kept."""
+    from shardlib.cli import build_parser, config_from_args
+
+    config = dataclasses.replace(
+        TINY, mesh=dataclasses.replace(TINY.mesh, zero=3, reshard_after_forward=False),
+        model=dataclasses.replace(TINY.model, num_layers=3, norm_eps=1e-5),
+        precision=dataclasses.replace(TINY.precision, policy="bf16"),
+        attention=dataclasses.replace(TINY.attention, impl="chunked"),
+        train=dataclasses.replace(TINY.train, batch_size=16), rules=(("vocab", ()),))
+    result = search.plan(config, 8, H100, remats=("full",), microbatches=(2,),
+                         pinned={"data": 8}, compile_top=0)
+    line = report.train_command(result, result.best)
+    args = build_parser().parse_args(shlex.split(line)[1:])
+    assert config_from_args(args) == result.best.candidate.apply(config), line
+    llama = dataclasses.replace(TINY, model=dataclasses.replace(TINY.model, name="mine"))
+    picked = search.plan(llama, 8, H100, compile_top=0, remats=("none",), microbatches=(1,))
+    line = report.train_command(picked, picked.best)
+    args = build_parser().parse_args(shlex.split(line)[1:])
+    assert config_from_args(args) == picked.best.candidate.apply(llama), line
 
 
 def test_plan_json_contract(tmp_path):

@@ -1,9 +1,13 @@
 """The per-device peak-memory formula of a train step, from the config alone.
 
     peak = state / shards                 params + AdamW moments (``theory.state_bytes``)
-         + gradient and update            two param-sized buffers of the local shard
+         + gradient and update            param-sized buffers of the local shard
          + FSDP working set               whole weights (and their gradients) alive at once
          + activations                    kept for backward under the remat policy
+         + layout                         TPU: weights padded to 128 lanes
+
+How many buffers of each shape a compiler keeps differs by compiler: ``BufferCounts``,
+fitted to XLA CPU's and to the TPU compiler's own figures (``counts_for``).
 
 FSDP's working set (``fsdp_working_set``): the weights outside the layers (embedding,
 final norm, head) are one unit, gathered once and kept with their whole gradient; each
@@ -24,12 +28,52 @@ from typing import Any
 from shardlib.analysis.theory import state_bytes_per_device, unit_elements
 from shardlib.config import Config
 
-UPDATE_COPIES = 2  # param-sized buffers next to the state: gradients, Adam's update
-D_ARRAYS = (4, 6)  # per layer per token: (fp32, compute-dtype) d-sized activations
-F_ARRAYS = 9  # per layer per token: compute-dtype (d_ff / t)-sized activations (GELU)
-LOGIT_BYTES = 18  # per token per (vocab / t): fp32 logits, softmax and their gradients
-REMAT_D_ARRAYS = {"dots": 5.2, "full": 3.1}  # per layer per token, compute dtype, d-sized
-ATTENTION_TEMPS = 4  # (T x T) fp32 buffers per head while one layer's attention is in backward
+
+@dataclass(frozen=True)
+class BufferCounts:
+    """How many buffers of each shape a compiler keeps alive at the step's peak; the
+    per-token counts are per layer (remat none: every layer's saved activations; remat:
+    one layer's while it is rebuilt) unless they say otherwise."""
+
+    update: float  # param-sized fp32 buffers beside the state: gradients, Adam's update
+    working_set: float  # multiples of FSDP's working set (``fsdp_working_set``)
+    d32: float  # remat none, per token: fp32 d-sized arrays (residual stream, norms)
+    dc: float  # remat none, per token: compute-dtype d-sized arrays
+    f32: float  # remat none, per token: fp32 (d_ff / t)-sized arrays
+    fc: float  # remat none, per token: compute-dtype (d_ff / t)-sized arrays
+    probs: float  # remat none, per token: fp32 attention rows (heads / t x keys)
+    remat_d: Mapping[str, float]  # remat, per token: compute-dtype d-sized (layer inputs)
+    remat_f: float  # the layer being rebuilt, per token: compute-dtype (d_ff / t)-sized
+    remat_probs: float  # the layer being rebuilt, per token: fp32 attention rows
+    logits: float  # per token, not per layer: fp32 (vocab / t)-sized arrays
+    pad_attention: float = 0.0  # copies of the attention weights with head_dim padded to 128
+    pad_mlp_out: float = 0.0  # copies of W_out with its fsdp-split embed dim padded to 128
+
+
+# XLA CPU: fitted (least squares on relative error) to 87 compiled fp32 train steps, tiny
+# and small on 8 devices, every mesh and remat: within 0.82-1.26 of the compiled peak.
+CPU_COUNTS = BufferCounts(update=2, working_set=1, d32=4, dc=6, f32=0, fc=9, probs=1,
+                          remat_d={"dots": 5.2, "full": 3.1}, remat_f=0, remat_probs=4,
+                          logits=4.5)
+# The TPU compiler (v5e, libtpu 0.0.42): fitted to its own peak (``memory.peak_of``) of 50
+# steps: ``small`` and ``medium`` at 8 layers on 8 chips, fp32 and bf16, six meshes x
+# remat none/full (experiments/planner_tpu_validation.py), and 14 one-chip steps varying
+# d_ff, d_model, heads, vocab, depth and batch one at a time. It keeps about half the
+# activations XLA CPU does (its fusions recompute elementwise results in backward), a
+# layer's MLP intermediates while the layer is rebuilt, one gradient-sized buffer, and
+# lays weights out on 128 lanes: head_dim 32 or 64 and an fsdp-split embed dim below 128
+# are padded. ``dots`` was not in the fit: its layer inputs scale from ``full``'s as on
+# CPU.
+TPU_COUNTS = BufferCounts(update=1.0, working_set=0.3, d32=2.5, dc=2.6, f32=3.0, fc=2.4,
+                          probs=0.6, remat_d={"dots": 2.0, "full": 1.2}, remat_f=1.0,
+                          remat_probs=1.8, logits=0.2, pad_attention=1.2, pad_mlp_out=5.9)
+COUNTS = {"cpu": CPU_COUNTS, "tpu": TPU_COUNTS}  # GPU: not measured yet, XLA CPU's
+LANES = 128  # a TPU vector register's minor dimension: layouts pad the minor dim to it
+
+
+def counts_for(platform: str) -> BufferCounts:
+    """The buffer counts of ``platform``'s compiler (XLA CPU's where none were fitted)."""
+    return COUNTS.get(platform, CPU_COUNTS)
 
 
 @dataclass(frozen=True)
@@ -40,10 +84,11 @@ class PeakTerms:
     update: int
     working_set: int
     activations: int
+    layout: int = 0  # TPU: weights padded to 128 lanes (``layout_padding``)
 
     @property
     def total(self) -> int:
-        return self.state + self.update + self.working_set + self.activations
+        return self.state + self.update + self.working_set + self.activations + self.layout
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "total": self.total}
@@ -69,27 +114,46 @@ def fsdp_working_set(config: Config, sizes: Mapping[str, int], *, explicit: bool
 
 
 def saved_bytes_per_token(config: Config, sizes: Mapping[str, int], remat: str,
-                          c: int) -> float:
+                          c: int, counts: BufferCounts = CPU_COUNTS) -> float:
     """Bytes kept per local token from forward to backward: every layer's activations
     and the logits'. Attention probabilities (fp32, every key: K/V are gathered along the
     sequence) are kept unless the layer is recomputed."""
     m, t = config.model, sizes.get("tensor", 1)
     d, f = m.d_model, m.d_ff / t
     if remat == "none":
-        per_layer = (d * (D_ARRAYS[0] * 4 + D_ARRAYS[1] * c) + F_ARRAYS * f * c
-                     + probs_bytes_per_token(config, sizes))
+        per_layer = (d * (counts.d32 * 4 + counts.dc * c) + f * (counts.f32 * 4 + counts.fc * c)
+                     + counts.probs * probs_bytes_per_token(config, sizes))
     else:  # layer inputs (and, for dots, matmul outputs)
-        per_layer = REMAT_D_ARRAYS[remat] * d * c
-    return m.num_layers * per_layer + LOGIT_BYTES * m.vocab_size / t
+        per_layer = counts.remat_d[remat] * d * c
+    return m.num_layers * per_layer + counts.logits * 4 * m.vocab_size / t
 
 
-def working_bytes_per_token(config: Config, sizes: Mapping[str, int], remat: str) -> float:
-    """Under remat, the attention temporaries of the one layer being rebuilt and
-    differentiated (fp32 scores, probabilities and both their gradients): at long
-    sequences they dominate (T=4096, one device, ``full``: compiled 1.06x of this).
-    Known gap: without remat XLA keeps more (T x T) buffers per layer than the saved
-    probabilities counted here (T=4096: compiled 3.1x of the formula)."""
-    return 0.0 if remat == "none" else ATTENTION_TEMPS * probs_bytes_per_token(config, sizes)
+def working_bytes_per_token(config: Config, sizes: Mapping[str, int], remat: str,
+                            c: int = 4, counts: BufferCounts = CPU_COUNTS) -> float:
+    """Under remat, the temporaries of the one layer being rebuilt and differentiated:
+    its attention's fp32 scores, probabilities and their gradients (at long sequences
+    they dominate: T=4096, one device, ``full``: compiled 1.06x of this on XLA CPU) and,
+    on TPU, its MLP intermediates. Known gap: without remat XLA CPU keeps more (T x T)
+    buffers per layer than the saved probabilities counted here (T=4096: 3.1x)."""
+    if remat == "none":
+        return 0.0
+    f = config.model.d_ff / sizes.get("tensor", 1)
+    return counts.remat_probs * probs_bytes_per_token(config, sizes) + counts.remat_f * f * c
+
+
+def layout_padding(config: Config, sizes: Mapping[str, int], counts: BufferCounts) -> float:
+    """Bytes TPU layouts add by padding a weight's minor dim to 128 lanes: the attention
+    weights when head_dim < 128, W_out when its fsdp-split embed dim is < 128."""
+    if not (counts.pad_attention or counts.pad_mlp_out):
+        return 0.0
+    m, t, fsdp = config.model, sizes.get("tensor", 1), sizes.get("fsdp", 1)
+    attention = m.num_layers * (2 * m.d_model**2 + 2 * m.d_model * m.kv_heads * m.head_dim)
+    embed = m.d_model / fsdp
+    pad = counts.pad_attention * attention * (max(LANES, m.head_dim) / m.head_dim - 1)
+    if fsdp > 1:  # W_out (d_ff, embed): the split embed dim is its minor dim
+        pad += counts.pad_mlp_out * m.num_layers * m.d_ff * m.d_model * (
+            max(LANES, embed) / embed - 1)
+    return pad * 4 / (t * fsdp)  # fp32 elements, split over tensor and fsdp
 
 
 def probs_bytes_per_token(config: Config, sizes: Mapping[str, int]) -> float:
@@ -106,14 +170,19 @@ def local_tokens(config: Config, sizes: Mapping[str, int], microbatches: int) ->
 
 def peak_terms(config: Config, sizes: Mapping[str, int], *, explicit: bool,
                microbatches: int = 1, compute_bytes: int = 4,
-               gather_bytes: int = 4, prefetch: bool = False) -> PeakTerms:
-    """The formula's parts for ``config`` (its ``model.remat``) on a mesh of ``sizes``."""
+               gather_bytes: int = 4, prefetch: bool = False,
+               platform: str = "cpu") -> PeakTerms:
+    """The formula's parts for ``config`` (its ``model.remat``) on a mesh of ``sizes``,
+    with ``platform``'s buffer counts (``counts_for``)."""
+    counts = counts_for(platform)
     state = state_bytes_per_device(config, sizes)
     remat = config.model.remat
-    per_token = (saved_bytes_per_token(config, sizes, remat, compute_bytes)
-                 + working_bytes_per_token(config, sizes, remat))
+    per_token = (saved_bytes_per_token(config, sizes, remat, compute_bytes, counts)
+                 + working_bytes_per_token(config, sizes, remat, compute_bytes, counts))
+    working = fsdp_working_set(config, sizes, explicit=explicit, gather_bytes=gather_bytes,
+                               prefetch=prefetch)
     return PeakTerms(
-        state=state, update=round(UPDATE_COPIES * state / 3),  # state = (1 + 2 moments) P
-        working_set=round(fsdp_working_set(config, sizes, explicit=explicit,
-                                           gather_bytes=gather_bytes, prefetch=prefetch)),
-        activations=round(local_tokens(config, sizes, microbatches) * per_token))
+        state=state, update=round(counts.update * state / 3),  # state = (1 + 2 moments) P
+        working_set=round(counts.working_set * working),
+        activations=round(local_tokens(config, sizes, microbatches) * per_token),
+        layout=round(layout_padding(config, sizes, counts)))

@@ -119,7 +119,9 @@ def param_counts(model: ModelConfig) -> ParamCounts:
     moe = layers // model.moe_every if experts else 0  # MoE layers
     split = model.vocab_size * d  # token embedding (vocab, embed)
     split += 0 if model.tie_embeddings else d * model.vocab_size  # LM head (embed, vocab)
-    split += layers * 4 * d * d + (layers - moe) * 2 * d * model.d_ff  # qkvo, dense MLPs
+    kv = model.kv_heads * model.head_dim  # grouped-query attention: fewer K/V heads
+    mlp = 3 if model.mlp == "gated" else 2  # gated: W_gate beside W_in (Llama)
+    split += layers * (2 * d * d + 2 * d * kv) + (layers - moe) * mlp * d * model.d_ff
     replicated = (2 * layers + 1) * d  # two norms per block and the final norm
     replicated += model.max_seq_len * d if model.pos_embedding == "learned" else 0
     replicated += moe * d * experts  # routers (embed, router)

@@ -52,8 +52,11 @@ def add_plan_parser(sub: argparse._SubParsersAction, add_model_flags) -> None:
                       help="stop compiling once this much time is spent (default 40)")
     plan.add_argument("--from-mesh", metavar="AXIS=N,...", help="price moving the train "
                       "state from this mesh (e.g. a checkpoint's) to each candidate")
+    add_target_flag(plan)
     plan.epilog = ("--mesh pins the named axes (e.g. --mesh tensor=8); --remat and "
-                   "--grad-accum fix those; everything else is searched.")
+                   "--grad-accum fix those; everything else is searched. --target plans for "
+                   "a TPU slice or GPU node: its devices, its chip's profile, its HBM as the "
+                   "budget, and the top candidates compiled by its compiler.")
 
 
 def add_target_flag(parser: argparse.ArgumentParser) -> None:
@@ -110,13 +113,18 @@ def run_plan(args: argparse.Namespace, config_from_args) -> int:
     pinned = parse_pinned(args.mesh) if args.mesh else None
     args.mesh = ""
     config = config_from_args(args)
-    count = args.devices or DEFAULT_CPU_DEVICES
-    devices = _plan_devices(count)
+    target = setup_target(args.target)
+    if target is None:
+        count = args.devices or DEFAULT_CPU_DEVICES
+        devices = _plan_devices(count)
+        profile = get_profile(args.device_profile) if args.device_profile else \
+            profile_for((devices or __import__("jax").devices())[0])
+    else:  # the target's devices, profile and HBM (plan checks --devices against it)
+        count, devices = args.devices, None
+        profile = get_profile(args.device_profile) if args.device_profile else None
     enable_compile_cache(config.train.compile_cache)
-    profile = get_profile(args.device_profile) if args.device_profile else \
-        profile_for((devices or __import__("jax").devices())[0])
     from_mesh = parse_pinned(args.from_mesh) if args.from_mesh else None
-    result = plan(config, count, profile, devices=devices, pinned=pinned,
+    result = plan(config, count, profile, target=target, devices=devices, pinned=pinned,
                   budget_bytes=parse_bytes(args.memory_budget) if args.memory_budget else None,
                   remats=(args.remat,) if args.remat else REMATS,
                   microbatches=(args.grad_accum,) if args.grad_accum else MICROBATCHES,

@@ -26,6 +26,17 @@ PRESETS: dict[str, ModelConfig] = {
     # for `shardlib plan --model 7b --devices 256`; too big to train on a CPU.
     "7b": ModelConfig(name="7b", vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
                       d_ff=16384, max_seq_len=4096, tie_embeddings=False),
+    # Llama 3 8B and 70B as Meta published them (config.json): grouped-query attention
+    # (8 K/V heads), SwiGLU MLP, RMSNorm 1e-5, RoPE theta 500k, 128k vocab, untied head.
+    # For planning (`shardlib plan --target v5p-32 --model llama3-8b`), not CPU training.
+    "llama3-8b": ModelConfig(name="llama3-8b", vocab_size=128256, d_model=4096, num_layers=32,
+                             num_heads=32, num_kv_heads=8, d_ff=14336, max_seq_len=8192,
+                             tie_embeddings=False, mlp="gated", activation="silu",
+                             norm_eps=1e-5, rope_theta=500000.0),
+    "llama3-70b": ModelConfig(name="llama3-70b", vocab_size=128256, d_model=8192,
+                              num_layers=80, num_heads=64, num_kv_heads=8, d_ff=28672,
+                              max_seq_len=8192, tie_embeddings=False, mlp="gated",
+                              activation="silu", norm_eps=1e-5, rope_theta=500000.0),
 }
 
 

@@ -39,6 +39,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from flax import nnx
+
 from shardlib.analysis.hlo import Collective
 from shardlib.analysis.peak import (
     fsdp_working_set,
@@ -46,12 +48,17 @@ from shardlib.analysis.peak import (
     peak_terms,
     saved_bytes_per_token,
 )
-from shardlib.analysis.theory import comm_terms, param_counts, state_bytes_per_device
-from shardlib.config import Config
+from shardlib.analysis.theory import (
+    comm_terms,
+    param_counts,
+    state_bytes_per_device,
+    unit_elements,
+)
+from shardlib.config import Config, ModelConfig
 from shardlib.parallel import tensor
 from shardlib.parallel.fsdp import BATCH_AXES
 from shardlib.planner.profiles import DeviceProfile, link_for
-from shardlib.planner.space import Candidate
+from shardlib.planner.space import Candidate, abstract_params
 from shardlib.sharding import make_rules
 
 RING_HOPS = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1, "all-to-all": 1}
@@ -205,14 +212,28 @@ def _remat_repeats(term_name: str, remat: str) -> float:
 
 
 def _runs(config: Config, term_name: str) -> int:
-    """Collectives behind one theory term: per weight for weights, per layer for blocks."""
+    """Collectives behind one theory term: FSDP gathers and reduce-scatters each weight
+    array of a layer inside the layer scan (L times) and the arrays outside the layers
+    once; a gradient all-reduce runs per (stacked) array; block terms per layer."""
     layers = config.model.num_layers
+    per_layer, outside = weight_arrays(config.model)
+    if term_name in ("params all-gather", "grads reduce-scatter"):
+        return per_layer * layers + outside
+    if term_name == "layers re-gather (backward)":
+        return per_layer * layers
     if term_name.startswith(("params", "grads")):
-        return 9 + (0 if config.model.tie_embeddings else 1) + (
-            1 if config.model.pos_embedding == "learned" else 0)
+        return per_layer + outside
     if term_name.startswith(("blocks", "K/V")):
         return 2 * layers if term_name.startswith("K/V") else 4 * layers
     return 1
+
+
+@functools.lru_cache(maxsize=64)
+def weight_arrays(model: ModelConfig) -> tuple[int, int]:
+    """(weight arrays of one layer, weight arrays outside the layers)."""
+    paths = [path for path, _ in nnx.to_flat_state(abstract_params(model))]
+    per_layer = sum(1 for path in paths if path[0] == "blocks")
+    return per_layer, len(paths) - per_layer
 
 
 def compiled_comm(collectives: Iterable[Collective], *, native_reduce_scatter: bool = False,
@@ -249,9 +270,10 @@ OPTIMIZER_PASSES = 7  # parameter-sized arrays AdamW's update reads and writes
 
 
 def analytic_memory(config: Config, cand: Candidate, compute_bytes: int,
-                    gather_bytes: int) -> int:
-    """Peak bytes per device (``analysis.peak``): state, gradients and update, FSDP's
-    working set, activations.
+                    gather_bytes: int, platform: str = "cpu") -> int:
+    """Peak bytes per device (``analysis.peak``) with ``platform``'s buffer counts:
+    state, gradients and update, FSDP's working set (the next layer's gather prefetched
+    off CPU), activations, TPU layout padding.
 
     ``gather_bytes``: bytes per element FSDP gathers weights in (the compute dtype on
     GPU/TPU, the parameter dtype on XLA CPU; see ``parallel.fsdp``).
@@ -259,7 +281,8 @@ def analytic_memory(config: Config, cand: Candidate, compute_bytes: int,
     config = cand.apply(config)
     return peak_terms(config, cand.sizes, explicit=explicit_path(config, cand),
                       microbatches=cand.microbatches, compute_bytes=compute_bytes,
-                      gather_bytes=gather_bytes).total
+                      gather_bytes=gather_bytes, prefetch=platform != "cpu",
+                      platform=platform).total
 
 
 def gathered_bytes(config: Config, cand: Candidate, gather_bytes: int) -> float:
@@ -278,17 +301,31 @@ def explicit_path(config: Config, cand: Candidate) -> bool:
     return tensor.by_hand(config, cand.sizes, rules)
 
 
+def gathered_traffic(config: Config, cand: Candidate, gather_bytes: int) -> float:
+    """Whole weights and gradients FSDP materialises per device per microbatch (0 without
+    fsdp): the weights outside the layers gathered once and their whole gradient; every
+    layer's weights gathered in forward and again in backward (once without
+    ``reshard_after_forward``) and its whole gradient before the reduce-scatter. Its
+    peak (``gathered_bytes``) is one layer; the bytes moved are every layer's."""
+    if cand.sizes.get("fsdp", 1) == 1:
+        return 0.0
+    outside, layer = unit_elements(config.model, cand.sizes)
+    gathers = 2 if config.mesh.reshard_after_forward else 1
+    return (2 * outside + (gathers + 1) * layer * config.model.num_layers) * gather_bytes
+
+
 def memory_traffic(config: Config, cand: Candidate, compute_bytes: int,
                    gather_bytes: int) -> int:
     """Bytes one device moves through its memory per step beyond the matmuls' operands:
-    the activations kept for backward and FSDP's gathered weights and gradients, each
-    written and read back once per microbatch, and the optimizer update, an elementwise
-    pass over the local state (AdamW reads params, gradients and both moments and writes
-    params and moments: 7 parameter-sized arrays, 7/3 of the state)."""
+    the activations kept for backward and FSDP's gathered weights and gradients
+    (``gathered_traffic``), each written and read back once per microbatch, and the
+    optimizer update, an elementwise pass over the local state (AdamW reads params,
+    gradients and both moments and writes params and moments: 7 parameter-sized arrays,
+    7/3 of the state)."""
     sizes = cand.sizes
     per_micro = (local_tokens(config, sizes, cand.microbatches)
                  * saved_bytes_per_token(config, sizes, cand.remat, compute_bytes)
-                 + gathered_bytes(config, cand, gather_bytes))
+                 + gathered_traffic(config, cand, gather_bytes))
     update = OPTIMIZER_PASSES * _state_bytes(config, cand.degrees) / 3
     return round(2 * cand.microbatches * per_micro + update)
 

@@ -1,7 +1,8 @@
 """Device profiles: peak FLOP/s, memory and the links each mesh axis crosses.
 
-Presets for H100/H200 (NVLink inside an 8-GPU node, InfiniBand between nodes) and TPU
-v5e/v5p (ICI inside a slice, DCN between slices); ``cpu`` is measured on this machine
+Presets for A100/H100/H200/B200 (NVLink inside an 8-GPU node, InfiniBand between
+nodes), T4 (one per host) and TPU v4/v5e/v5p/v6e (ICI inside a slice, DCN between
+slices); ``cpu`` is measured on this machine
 (a timed matmul on every simulated device at once, and a timed all-gather and tiny
 all-reduce between them) and cached. ``--device-profile FILE`` reads a JSON object with
 the same fields, optionally ``"base": "h100"`` to start from a preset.
@@ -28,6 +29,7 @@ import numpy as np
 
 from shardlib.errors import ConfigError
 from shardlib.mesh import MESH_AXES
+from shardlib.target import Target
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class DeviceProfile:
     native_reduce_scatter: bool = True  # False on XLA CPU: all-reduce + slice, 2x bytes
     memory_bandwidth: float = 0.0  # bytes/s to the device's own memory (0: not modelled)
     source: str = "preset"
+    platform: str = "gpu"  # gpu | tpu | cpu: precision auto's dtypes, the memory model's terms
 
     def flops(self, dtype: str) -> float:
         """Peak FLOP/s for matmuls in ``dtype`` (fp32 if the dtype is not listed)."""
@@ -65,6 +68,13 @@ class DeviceProfile:
 
 GIB = 2**30
 _NVLINK, _IB = Link(400e9, 5e-6), Link(45e9, 10e-6)  # NVLink 4 / NDR 400 Gb/s, achievable
+_DCN = Link(6e9, 20e-6)  # v5p: 50 Gb/s of data-center network per chip
+# Sources: NVIDIA's A100, H100, H200, HGX B200 and T4 datasheets (dense Tensor Core
+# FLOP/s, no sparsity); Cloud TPU's system-architecture pages (v4, v5e, v5p, v6e).
+# ICI: "bidirectional ICI bandwidth per chip" / ports (v4 from its pod all-reduce
+# bandwidth, 1.1 PB/s / 4096 chips over 6 ports) gives one port one way; a ring over one
+# torus axis uses two ports; 90% of that is achievable. Links and HBM are per chip: a
+# target with several JAX devices per chip (v4) divides them (``target_profile``).
 PRESETS: dict[str, DeviceProfile] = {
     # H100 SXM: 989 TFLOP/s bf16 dense; fp32 matmuls run as TF32 (JAX's default precision).
     # HBM bandwidth: H100 SXM 3.35 TB/s, H200 4.8 TB/s, v5e 819 GB/s, v5p 2.76 TB/s.
@@ -72,15 +82,52 @@ PRESETS: dict[str, DeviceProfile] = {
                           80 * GIB, 8, _NVLINK, _IB, memory_bandwidth=3.35e12),
     "h200": DeviceProfile("h200", {"bfloat16": 989e12, "float16": 989e12, "float32": 495e12},
                           141 * 10**9, 8, _NVLINK, _IB, memory_bandwidth=4.8e12),
+    # A100 SXM 80GB: 312 TFLOP/s bf16, 156 TF32, 2.04 TB/s; NVLink 3 600 GB/s both ways,
+    # HDR InfiniBand 200 Gb/s per GPU.
+    "a100": DeviceProfile("a100", {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
+                          80 * GIB, 8, Link(270e9, 5e-6), Link(22e9, 10e-6),
+                          memory_bandwidth=2.04e12),
+    # B200 (HGX): 2.25 PFLOP/s bf16 dense, 1.1 TF32, 180 GB at 7.7 TB/s; NVLink 5 1.8 TB/s
+    # both ways; ConnectX-7 400 Gb/s per GPU.
+    "b200": DeviceProfile("b200", {"bfloat16": 2250e12, "float16": 2250e12, "float32": 1100e12},
+                          180 * 10**9, 8, Link(800e9, 5e-6), _IB, memory_bandwidth=7.7e12),
+    # T4 (Colab's free GPU, sm_75): 65 TFLOP/s fp16 Tensor Cores, no bf16 ones (bf16 runs
+    # at the fp32 rate, 8.1 TFLOP/s); 16 GB GDDR6 at 320 GB/s; one per host, PCIe 3.
+    "t4": DeviceProfile("t4", {"float16": 65e12, "bfloat16": 8.1e12, "float32": 8.1e12},
+                        15 * GIB, 1, Link(12e9, 10e-6), Link(1.2e9, 50e-6),
+                        memory_bandwidth=320e9),
     # TPU: fp32 matmuls run as one bf16 pass at JAX's default precision. ICI: a ring over
     # one torus axis uses two links; DCN: the host NICs shared by its chips.
+    "v4": DeviceProfile("v4", {"bfloat16": 275e12, "float32": 275e12}, 32 * GIB, 4096,
+                        Link(80e9, 5e-6), _DCN, compute_efficiency=0.6,
+                        memory_bandwidth=1.2e12, platform="tpu"),
     "v5e": DeviceProfile("v5e", {"bfloat16": 197e12, "float32": 197e12}, 16 * GIB, 256,
-                         Link(90e9, 5e-6), Link(6e9, 20e-6), compute_efficiency=0.65,
-                         memory_bandwidth=819e9),
+                         Link(90e9, 5e-6), _DCN, compute_efficiency=0.65,
+                         memory_bandwidth=819e9, platform="tpu"),
     "v5p": DeviceProfile("v5p", {"bfloat16": 459e12, "float32": 459e12}, 95 * GIB, 8960,
-                         Link(180e9, 5e-6), Link(6e9, 20e-6), compute_efficiency=0.7,
-                         memory_bandwidth=2.76e12),
+                         Link(180e9, 5e-6), _DCN, compute_efficiency=0.7,
+                         memory_bandwidth=2.76e12, platform="tpu"),
+    # v6e (Trillium): 918 TFLOP/s bf16, 32 GB at 1.64 TB/s, 800 GB/s ICI over 4 ports.
+    "v6e": DeviceProfile("v6e", {"bfloat16": 918e12, "float32": 918e12}, 32 * GIB, 256,
+                         Link(180e9, 5e-6), _DCN, compute_efficiency=0.65,
+                         memory_bandwidth=1.64e12, platform="tpu"),
 }
+
+
+def target_profile(target: Target) -> DeviceProfile:
+    """The preset of ``target``'s chip, per JAX device of the target: its HBM, and a
+    chip's FLOP/s, memory bandwidth and links shared by its devices (v4: 2 TensorCores)."""
+    base, share = PRESETS[target.chip.profile], target.chip.devices_per_chip
+    if share == 1:
+        return dataclasses.replace(base, memory_bytes=target.hbm_bytes,
+                                   source=f"preset, target {target.name}")
+    return dataclasses.replace(
+        base, peak_flops={k: v / share for k, v in base.peak_flops.items()},
+        memory_bytes=target.hbm_bytes, memory_bandwidth=base.memory_bandwidth / share,
+        node_size=base.node_size * share,
+        intra=Link(base.intra.bandwidth / share, base.intra.latency),
+        inter=Link(base.inter.bandwidth / share, base.inter.latency),
+        source=f"preset per device ({share} per chip), target {target.name}")
 
 
 def link_for(profile: DeviceProfile, sizes: Mapping[str, int], axes: Iterable[str]) -> Link:
@@ -180,7 +227,7 @@ def _profile_from_measurement(m: Mapping[str, float], num_devices: int) -> Devic
     return DeviceProfile("cpu", {"float32": m["peak_flops"]}, memory, num_devices, link, link,
                          compute_efficiency=1.0, overlap=False, overlap_tax=0.0,
                          native_reduce_scatter=False, memory_bandwidth=m["memory_bandwidth"],
-                         source=f"measured on {num_devices} simulated CPU devices")
+                         source=f"measured on {num_devices} simulated CPU devices", platform="cpu")
 
 
 def _best_time(fn, *args, reps: int = 5) -> float:

@@ -2,26 +2,60 @@
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
 from collections import Counter
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from shardlib.config import Config, TrainConfig, parse_mesh
+from shardlib.inspect import target_dict
+from shardlib.models.presets import PRESETS
 from shardlib.planner.search import Plan, Scored
 from shardlib.planner.space import Rejected
 from shardlib.units import format_bytes
 
 
 def train_command(plan: Plan, scored: Scored) -> str:
-    """The ``shardlib train`` command line that runs ``scored`` on this plan's config."""
-    cfg = plan.config
-    flags = [f"--model {cfg.model.name}", f"--devices {plan.num_devices}",
-             f"--batch-size {cfg.train.batch_size}", f"--seq-len {cfg.train.seq_len}",
+    """The ``shardlib train`` command line that trains ``scored`` on this plan's config:
+    the same model and options, every field the flags do not carry as ``--set``."""
+    run = scored.candidate.apply(plan.config)
+    preset = run.model.name if run.model.name in PRESETS else "small"
+    flags = [f"--model {preset}", f"--devices {plan.num_devices}",
+             f"--batch-size {run.train.batch_size}", f"--seq-len {run.train.seq_len}",
              scored.candidate.train_flags()]
-    if cfg.precision.policy not in ("fp32", "auto"):
-        flags.append(f"--precision {cfg.precision.policy}")
-    return "shardlib train " + " ".join(flags)
+    base = dataclasses.replace(Config(), model=PRESETS[preset], mesh=dataclasses.replace(
+        parse_mesh(scored.candidate.mesh_text), zero=run.mesh.zero), rules=run.rules,
+        train=dataclasses.replace(TrainConfig(), batch_size=run.train.batch_size,
+                                  seq_len=run.train.seq_len, grad_accum=run.train.grad_accum))
+    base = dataclasses.replace(base, model=dataclasses.replace(base.model, remat=run.model.remat))
+    if run.precision.policy != base.precision.policy:
+        flags.append(f"--precision {run.precision.policy}")
+        base = dataclasses.replace(base, precision=dataclasses.replace(
+            base.precision, policy=run.precision.policy))
+    if run.mesh.zero:
+        flags.append(f"--zero {run.mesh.zero}")
+    flags += [f"--rule {dim}={'+'.join(axes) or 'none'}" for dim, axes in run.rules]
+    overrides = config_overrides(run, base)
+    return "shardlib train " + " ".join(flags + (["--set", *overrides] if overrides else []))
+
+
+def config_overrides(config: Config, base: Config) -> list[str]:
+    """``section.field=value`` (shell-quoted) for every field where ``config`` differs
+    from ``base``: the ``--set`` arguments that turn one into the other."""
+    out = []
+    for section in dataclasses.fields(Config):
+        mine, theirs = getattr(config, section.name), getattr(base, section.name)
+        if not dataclasses.is_dataclass(mine):
+            continue
+        for f in dataclasses.fields(mine):
+            value = getattr(mine, f.name)
+            if value != getattr(theirs, f.name):
+                text = str(value).lower() if isinstance(value, bool) else str(value)
+                out.append(shlex.quote(f"{section.name}.{f.name}={text}"))
+    return out
 
 
 def scored_dict(s: Scored) -> dict[str, Any]:
@@ -62,6 +96,8 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "over_budget": [scored_dict(s) for s in plan.over_budget],
         "rejected": [rejected_dict(r) for r in plan.rejected],
         "compiles": plan.compiles, "elapsed_s": plan.elapsed_s, "notes": plan.notes,
+        "target": None if plan.target is None else target_dict(
+            plan.target, fits=best is not None),
     }
 
 
@@ -101,6 +137,9 @@ def render(plan: Plan, top: int = 10, console: Console | None = None) -> None:
     """The ranked table, why the others were dropped, and the winner's train command."""
     console = console or Console(width=140)
     p = plan.profile
+    if plan.target is not None:
+        console.print(plan.target.describe() + f"; compiled by the {plan.target.platform.upper()}"
+                      " compiler")
     console.print(f"[bold]plan[/bold] {plan.config.model.name}: {plan.num_devices} x "
                   f"{p.name} ({p.source}), batch {plan.config.train.batch_size} x "
                   f"{plan.config.train.seq_len}, {plan.config.precision.policy}; "

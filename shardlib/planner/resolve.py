@@ -19,8 +19,9 @@ def profile_for(device: jax.Device) -> DeviceProfile:
     if device.platform == "cpu":
         return get_profile("cpu")
     kind = device.device_kind.lower()
-    for name, needle in (("h200", "h200"), ("h100", "h100"), ("v5e", "v5 lite"),
-                         ("v5e", "v5e"), ("v5p", "v5")):
+    for name, needle in (("h200", "h200"), ("h100", "h100"), ("a100", "a100"),
+                         ("b200", "b200"), ("t4", "t4"), ("v5e", "v5 lite"), ("v5e", "v5e"),
+                         ("v6e", "v6"), ("v5p", "v5"), ("v4", "v4")):
         if needle in kind:
             return get_profile(name)
     return get_profile("h100" if device.platform == "gpu" else "v5p")

@@ -15,6 +15,7 @@ promising ones ahead of time (abstract inputs, nothing allocated) for exact figu
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -25,9 +26,10 @@ from typing import Any, NamedTuple
 import jax
 
 from shardlib.analysis.hlo import parse_collectives
-from shardlib.analysis.memory import compiled_memory, state_bytes
+from shardlib.analysis.memory import compiled_memory, peak_of, state_bytes
 from shardlib.config import Config, to_dict
-from shardlib.inspect import abstract_batch
+from shardlib.errors import ConfigError, OutOfMemoryError
+from shardlib.inspect import abstract_batch, compile_step
 from shardlib.mesh import MESH_AXES
 from shardlib.planner.cost import (
     Estimate,
@@ -40,12 +42,12 @@ from shardlib.planner.cost import (
     memory_traffic,
     predict,
 )
-from shardlib.planner.profiles import DeviceProfile, cache_dir
+from shardlib.planner.profiles import DeviceProfile, cache_dir, target_profile
 from shardlib.planner.space import MICROBATCHES, REMATS, Candidate, Rejected, enumerate_space
 from shardlib.planner.switch import switch_bytes
 from shardlib.precision import resolve as resolve_policy
+from shardlib.target import Target, parse_target
 from shardlib.train.state import abstract_state, build_setup
-from shardlib.train.step import make_train_step
 
 MEMORY_MARGIN = 0.3
 """How far the analytic memory estimate may be off before a verdict needs a compile."""
@@ -88,6 +90,7 @@ class Plan:
     elapsed_s: float = 0.0
     compiles: int = 0
     notes: list[str] = field(default_factory=list)
+    target: Target | None = None  # compiled for this slice / node (``shardlib.target``)
 
     @property
     def best(self) -> Scored | None:
@@ -115,21 +118,23 @@ class Dtypes(NamedTuple):
 
 
 def _dtypes(config: Config, profile: DeviceProfile) -> Dtypes:
-    policy = resolve_policy(config.precision)
+    policy = resolve_policy(config.precision, profile.platform)  # auto: bf16 on GPU/TPU
     gather = policy.param.itemsize if not profile.native_reduce_scatter else \
         policy.compute.itemsize  # XLA CPU gathers in the parameter dtype (parallel/fsdp.py)
     return Dtypes(policy.compute.name, policy.compute.itemsize, gather, policy.grad.itemsize)
 
 
 def analytic(config: Config, cand: Candidate, profile: DeviceProfile, budget: int) -> Scored:
-    """Figures, time and memory verdict from formulas alone."""
-    dt = _dtypes(config, profile)
-    comm = analytic_comm(config, cand, profile, dt.gather_bytes, dt.grad_bytes)
-    figures = Figures(flops_per_device(config, cand), comm,
-                      analytic_memory(config, cand, dt.compute_bytes, dt.gather_bytes),
+    """Figures, time and memory verdict from formulas alone, on the degrees the step runs
+    on (``Candidate.resolved``: ``--zero 3`` over ``data`` is FSDP)."""
+    dt, run = _dtypes(config, profile), cand.resolved(config)
+    comm = analytic_comm(config, run, profile, dt.gather_bytes, dt.grad_bytes)
+    figures = Figures(flops_per_device(config, run), comm,
+                      analytic_memory(config, run, dt.compute_bytes, dt.gather_bytes,
+                                      profile.platform),
                       "analytic", traffic_bytes=memory_traffic(
-                          config, cand, dt.compute_bytes, dt.gather_bytes))
-    return Scored(cand, figures, predict(figures, cand, profile, dt.compute),
+                          config, run, dt.compute_bytes, dt.gather_bytes))
+    return Scored(cand, figures, predict(figures, run, profile, dt.compute),
                   verdict(figures.memory_bytes, budget, exact=False))
 
 
@@ -158,10 +163,11 @@ class CompiledStep:
     """One compiled train step, as the backend it was compiled on reports it."""
 
     platform: str
-    memory_bytes: int  # peak per device: arguments + outputs - aliased + temporaries
+    memory_bytes: int  # peak per device (``analysis.memory.peak_of``)
     state_bytes: int
     compile_s: float
     collectives: tuple[SeenCollective, ...]
+    out_of_memory: bool = False  # the target's compiler refused it (memory_bytes: needed)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -181,11 +187,9 @@ def compile_candidate(config: Config, cand: Candidate, devices: list[jax.Device]
     setup = build_setup(cand.apply(config), devices)
     state, batch = abstract_state(setup), abstract_batch(setup)
     started = time.perf_counter()
-    compiled = make_train_step(setup).lower(state, batch).compile(
-        compiler_options=dict(options or {}))
+    compiled = compile_step(setup, state, batch, None, options=options)
     seconds = time.perf_counter() - started
-    mem = compiled_memory(compiled)
-    peak = mem["argument_bytes"] + mem["output_bytes"] - mem["alias_bytes"] + mem["temp_bytes"]
+    peak = peak_of(compiled_memory(compiled), devices[0].platform)
     seen = tuple(SeenCollective(c.kind, c.axes, c.dtype, c.total_bytes_per_device, c.count,
                                 c.group_size, c.emulated_reduce_scatter)
                  for c in parse_collectives(compiled.as_text(), setup.mesh))
@@ -198,7 +202,7 @@ def compiled_figures(step: CompiledStep, config: Config, cand: Candidate,
     """Figures of a compiled step for ``profile``. Compiled on XLA CPU for a GPU/TPU
     profile, the CPU's emulated reduce-scatters and fp32 FSDP gathers are converted to
     what the target runs (``cost.compiled_comm``, ``cost.cross_compile_memory``)."""
-    compute_bytes = _dtypes(config, profile).compute_bytes
+    compute_bytes, cand = _dtypes(config, profile).compute_bytes, cand.resolved(config)
     cross = step.platform == "cpu" and profile.native_reduce_scatter
     comm = compiled_comm(step.collectives, native_reduce_scatter=cross,
                          fsdp_scale=compute_bytes / 4 if cross else 1.0)
@@ -228,7 +232,12 @@ class CompileCache:
         if key in self.entries:
             return CompiledStep.from_dict(self.entries[key]), True
         options = FAST_CPU_COMPILE if devices[0].platform == "cpu" else {}
-        step, _ = compile_candidate(config, cand, devices, options=options)
+        started = time.perf_counter()
+        try:
+            step, _ = compile_candidate(config, cand, devices, options=options)
+        except OutOfMemoryError as err:  # a verdict too: cached like a compiled step
+            step = CompiledStep(devices[0].platform, err.required_bytes or 0, 0,
+                                time.perf_counter() - started, (), out_of_memory=True)
         self.put(config, cand, devices, step)
         return step, False
 
@@ -245,7 +254,8 @@ PRUNE_SLACK = 0.1
 """Prune when the analytic estimate exceeds the best compiled time by more than this."""
 
 
-def plan(config: Config, num_devices: int, profile: DeviceProfile, *,
+def plan(config: Config, num_devices: int | None = None,
+         profile: DeviceProfile | None = None, *, target: str | Target | None = None,
          budget_bytes: int | None = None, remats: Iterable[str] = REMATS,
          microbatches: Iterable[int] = MICROBATCHES, pinned: Mapping[str, int] | None = None,
          devices: list[jax.Device] | None = None, compile_top: int = 4,
@@ -254,12 +264,17 @@ def plan(config: Config, num_devices: int, profile: DeviceProfile, *,
          progress: Callable[[str], None] | None = None) -> Plan:
     """Rank every valid candidate for ``config`` on ``num_devices`` devices of ``profile``.
 
-    ``devices``: what to compile on (default: this process's devices, if there are
-    ``num_devices`` of them); without them every figure stays analytic. ``from_mesh``:
-    degrees the train state lives on now; each candidate is priced for the switch.
+    ``target`` (``v5p-128``, ``h100x8``, ...): plan for that slice or node instead: its
+    device count, its chip's profile, its HBM as the budget, and the top candidates
+    compiled by its compiler (``shardlib.target``). ``devices``: what to compile on
+    (default: this process's devices, if there are ``num_devices`` of them); without them
+    every figure stays analytic. ``from_mesh``: degrees the train state lives on now;
+    each candidate is priced for the switch.
     """
     started = time.perf_counter()
-    budget = int(budget_bytes or profile.memory_bytes)
+    target = parse_target(target) if isinstance(target, str) else target
+    num_devices, profile, devices = _for_target(target, num_devices, profile, devices)
+    budget = int(budget_bytes or (target.hbm_bytes if target else profile.memory_bytes))
     valid, rejected = enumerate_space(config, num_devices, remats=remats,
                                       microbatches=microbatches, pinned=pinned)
     scored = sorted((analytic(config, c, profile, budget) for c in valid),
@@ -279,7 +294,22 @@ def plan(config: Config, num_devices: int, profile: DeviceProfile, *,
     over = [s for s in scored if s.verdict == "over"]
     rejected += [Rejected(s.candidate, s.note) for s in scored if s.verdict == "failed"]
     return Plan(config, num_devices, profile, budget, ranked, over, rejected,
-                time.perf_counter() - started, compiles, notes)
+                time.perf_counter() - started, compiles, notes, target)
+
+
+def _for_target(target: Target | None, num_devices: int | None,
+                profile: DeviceProfile | None, devices: list[jax.Device] | None,
+                ) -> tuple[int, DeviceProfile, list[jax.Device] | None]:
+    """(device count, profile, devices to compile on): the target's, or those given."""
+    if target is None:
+        if num_devices is None or profile is None:
+            raise ConfigError("plan: give num_devices and a profile (--devices, "
+                              "--device-profile), or a target (--target v5p-128)")
+        return num_devices, profile, devices
+    if num_devices not in (None, target.num_devices):
+        raise ConfigError(f"--devices {num_devices}: target {target.name} has "
+                          f"{target.num_devices} devices; leave --devices out with --target")
+    return target.num_devices, profile or target_profile(target), target.devices()
 
 
 def _compile_devices(devices: list[jax.Device] | None,
@@ -292,9 +322,9 @@ def _refine(config: Config, scored: list[Scored], devices: list[jax.Device],
             profile: DeviceProfile, budget: int, top: int, budget_s: float,
             cache: CompileCache, progress: Callable[[str], None] | None) -> int:
     """Compile candidates in predicted order (see the module docstring); returns how many
-    were compiled or read from the cache."""
+    were compiled or read from the cache (those the compiler refused for memory too)."""
     dtype = _dtypes(config, profile).compute
-    best, spent, last, done = float("inf"), 0.0, 0.0, 0
+    best, spent, last, done, tried = float("inf"), 0.0, 0.0, 0, 0
     for s in scored:
         if s.verdict == "over":
             continue
@@ -304,7 +334,7 @@ def _refine(config: Config, scored: list[Scored], devices: list[jax.Device],
         if done >= top and s.verdict != "borderline":
             s.note = f"not compiled (outside the top {top})"
             continue
-        if done and spent + last > budget_s:
+        if tried and spent + last > budget_s:
             s.note = f"not compiled: compile budget {budget_s:.0f} s spent"
             continue
         if progress:
@@ -316,15 +346,29 @@ def _refine(config: Config, scored: list[Scored], devices: list[jax.Device],
             s.verdict, s.note = "failed", f"compile failed: {type(err).__name__}: " + \
                 (str(err).strip().splitlines() or [""])[0][:200]
             continue
-        spent += 0.0 if hit else figures.compile_s
-        last = 0.0 if hit else figures.compile_s
+        last = 0.0 if hit else step.compile_s
+        spent, tried = spent + last, tried + 1
+        if step.out_of_memory:  # does not count towards ``top``: look further for a fit
+            _refused(s, step, budget)
+            continue
         done += 1
-        s.figures, s.estimate = figures, predict(figures, s.candidate, profile, dtype)
+        s.figures = figures
+        s.estimate = predict(figures, s.candidate.resolved(config), profile, dtype)
         s.verdict = verdict(figures.memory_bytes, budget, exact=True)
         s.note = "compiled (cached)" if hit else f"compiled in {figures.compile_s:.1f} s"
         if s.fits:
             best = min(best, s.estimate.step_s)
-    return done
+    return tried
+
+
+def _refused(s: Scored, step: CompiledStep, budget: int) -> None:
+    """The target's compiler found no room for ``s``: over the budget, by its figure."""
+    needed = max(step.memory_bytes, budget + 1)
+    s.figures = dataclasses.replace(s.figures, memory_bytes=needed, source="compiled",
+                                    compile_s=step.compile_s)
+    s.verdict = "over"
+    s.note = (f"the {step.platform.upper()} compiler: does not fit"
+              + (f" (needs {step.memory_bytes / 2**30:.2f} GiB)" if step.memory_bytes else ""))
 
 
 def _price_switch(config: Config, scored: list[Scored], source: Mapping[str, int]) -> None:
@@ -332,7 +376,7 @@ def _price_switch(config: Config, scored: list[Scored], source: Mapping[str, int
     src = {a: int(source.get(a, 1)) for a in MESH_AXES}
     memo: dict[tuple, int] = {}
     for s in scored:
-        key = s.candidate.degrees
-        if key not in memo:
-            memo[key] = switch_bytes(config, src, s.candidate.sizes)
-        s.switch_bytes = memo[key]
+        run = s.candidate.resolved(config)
+        if run.degrees not in memo:
+            memo[run.degrees] = switch_bytes(config, src, run.sizes)
+        s.switch_bytes = memo[run.degrees]

@@ -24,7 +24,7 @@ from shardlib.config import Config, MeshConfig
 from shardlib.errors import ConfigError, ShardlibError
 from shardlib.mesh import MESH_AXES
 from shardlib.models import GPT, check_model
-from shardlib.train.state import param_specs
+from shardlib.train.state import mesh_degrees, param_specs
 
 COSTED_AXES: tuple[str, ...] = ("data", "fsdp", "sequence", "tensor")
 """Axes the cost model has formulas for; any other axis in ``MESH_AXES`` stays at 1."""
@@ -61,6 +61,13 @@ class Candidate:
         """The ``shardlib train`` flags that run this candidate."""
         flags = f"--mesh {self.mesh_text} --remat {self.remat}"
         return flags + (f" --grad-accum {self.microbatches}" if self.microbatches > 1 else "")
+
+    def resolved(self, config: Config) -> Candidate:
+        """This candidate on the degrees its step runs on: ``--zero 3`` is FSDP over
+        ``data x fsdp``, so ``data`` folds into ``fsdp`` (``train.state.mesh_degrees``)."""
+        sizes = mesh_degrees(self.apply(config), math.prod(self.sizes.values()))
+        degrees = tuple((axis, sizes[axis]) for axis, _ in self.degrees)
+        return self if degrees == self.degrees else dataclasses.replace(self, degrees=degrees)
 
     def apply(self, config: Config) -> Config:
         """``config`` with this candidate's mesh degrees, remat and microbatches."""
