@@ -136,6 +136,24 @@ def test_parameter_counts_follow_grouped_query_attention_and_gated_mlps():
     assert count_params(get_preset("llama3-8b")) == 8_030_261_248  # Meta's 8.03B
 
 
+def test_flash_kernels_keep_no_full_attention_rows_in_the_formula():
+    """The peak formula counts the (T x T) scores only for the textbook kernel: a
+    block for chunked and splash, none for cuDNN (long-context plans on TPU use splash)."""
+    from shardlib.analysis.peak import attention_keys, peak_terms
+
+    long = dataclasses.replace(TINY, train=dataclasses.replace(TINY.train, seq_len=4096))
+    sizes = {"data": 8}
+    act = {}
+    for impl in ("xla", "chunked"):
+        config = dataclasses.replace(long, attention=dataclasses.replace(long.attention,
+                                                                         impl=impl))
+        act[impl] = peak_terms(config, sizes, explicit=False).activations
+        assert attention_keys(config, "cpu", 4) == {"xla": 4096, "chunked": 512}[impl]
+    assert act["chunked"] < act["xla"] / 3
+    auto = dataclasses.replace(long, attention=dataclasses.replace(long.attention, impl="auto"))
+    assert attention_keys(auto, "tpu", 2) == 128 and attention_keys(auto, "gpu", 2) == 0
+
+
 def test_a_tpu_step_is_held_against_its_compilers_own_peak():
     """On TPU the compiler's peak (what it refuses a step by) decides, not arguments +
     temporaries; elsewhere the sum (XLA CPU reports only its arguments as a peak)."""
