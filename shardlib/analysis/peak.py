@@ -50,6 +50,7 @@ class BufferCounts:
     remat_f: float  # the layer being rebuilt, per token: compute-dtype (d_ff / t)-sized
     remat_probs: float  # the layer being rebuilt, per token: fp32 attention rows
     logits: float  # per token, not per layer: fp32 (vocab / t)-sized arrays
+    dots_f: float = 0.0  # remat dots, per token per MLP input matmul (gated: 2): (d_ff/t)
     pad_attention: float = 0.0  # copies of the attention weights with head_dim padded to 128
     pad_mlp_out: float = 0.0  # copies of W_out with its fsdp-split embed dim padded to 128
 
@@ -66,11 +67,14 @@ CPU_COUNTS = BufferCounts(update=2, working_set=1, d32=4, dc=6, f32=0, fc=9, pro
 # activations XLA CPU does (its fusions recompute elementwise results in backward), a
 # layer's MLP intermediates while the layer is rebuilt, one gradient-sized buffer, and
 # lays weights out on 128 lanes: head_dim 32 or 64 and an fsdp-split embed dim below 128
-# are padded. ``dots`` was not in the fit: its layer inputs scale from ``full``'s as on
-# CPU.
+# are padded. Two terms come from larger steps, where they dominate: the logits (1.5 fp32
+# copies: vocab 65536, 8192 tokens on one chip) and ``dots``'s saved matmul outputs (the
+# MLP's input matmuls' (d_ff / t)-sized outputs and 3.7 d-sized arrays: Llama-3-8B, 8192
+# tokens per chip on 16 v5p chips, against ``full``).
 TPU_COUNTS = BufferCounts(update=1.0, working_set=0.3, d32=2.5, dc=2.6, f32=3.0, fc=2.4,
-                          probs=0.6, remat_d={"dots": 2.0, "full": 1.2}, remat_f=1.0,
-                          remat_probs=1.8, logits=0.2, pad_attention=1.2, pad_mlp_out=5.9)
+                          probs=0.6, remat_d={"dots": 3.7, "full": 1.2}, remat_f=1.0,
+                          remat_probs=1.8, logits=1.5, dots_f=1.0, pad_attention=1.2,
+                          pad_mlp_out=5.9)
 COUNTS = {"cpu": CPU_COUNTS, "tpu": TPU_COUNTS}  # GPU: not measured yet, XLA CPU's
 LANES = 128  # a TPU vector register's minor dimension: layouts pad the minor dim to it
 
@@ -129,7 +133,9 @@ def saved_bytes_per_token(config: Config, sizes: Mapping[str, int], remat: str,
         per_layer = (d * (counts.d32 * 4 + counts.dc * c) + f * (counts.f32 * 4 + counts.fc * c)
                      + counts.probs * probs_bytes_per_token(config, sizes, keys))
     else:  # layer inputs (and, for dots, matmul outputs)
-        per_layer = counts.remat_d[remat] * d * c
+        mlp_inputs = 2 if m.mlp == "gated" else 1
+        per_layer = (counts.remat_d[remat] * d
+                     + (counts.dots_f * mlp_inputs * f if remat == "dots" else 0.0)) * c
     return m.num_layers * per_layer + counts.logits * 4 * m.vocab_size / t
 
 

@@ -339,12 +339,15 @@ def _refine(config: Config, scored: list[Scored], devices: list[jax.Device],
             continue
         if progress:
             progress(f"compiling {s.candidate.key}")
+        started = time.perf_counter()
         try:
             step, hit = cache.step(config, s.candidate, devices)
             figures = compiled_figures(step, config, s.candidate, profile)
         except Exception as err:  # noqa: BLE001 - a candidate XLA cannot build is dropped
             s.verdict, s.note = "failed", f"compile failed: {type(err).__name__}: " + \
                 (str(err).strip().splitlines() or [""])[0][:200]
+            last = time.perf_counter() - started  # failures spend the budget too
+            spent, tried = spent + last, tried + 1
             continue
         last = 0.0 if hit else step.compile_s
         spent, tried = spent + last, tried + 1
