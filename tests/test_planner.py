@@ -386,6 +386,26 @@ def test_tpu_memory_estimate_is_the_tpu_compilers(mesh, remat):
         (predicted.figures.memory_bytes, step.memory_bytes)
 
 
+def test_failed_compiles_spend_the_compile_budget(monkeypatch):
+    """A compiler that fails slowly stops the search at the compile budget, as a
+    successful compile does (it went through every candidate)."""
+    clock = [0.0]
+    monkeypatch.setattr(search.time, "perf_counter", lambda: clock[0])
+
+    class Failing:
+        calls = 0
+
+        def step(self, config, candidate, devices):
+            Failing.calls += 1
+            clock[0] += 100.0
+            raise RuntimeError("no kernel for this candidate")
+
+    result = search.plan(TINY, 8, H100, remats=("none",), microbatches=(1,),
+                         compile_top=4, compile_budget_s=40.0, cache=Failing())
+    assert Failing.calls == 1 and result.compiles == 1
+    assert any("compile failed" in r.reason for r in result.rejected)
+
+
 # --------------------------------------------------------------------------- auto / CLI
 def test_mesh_auto_resolves_to_a_concrete_mesh():
     auto = dataclasses.replace(TINY, mesh=parse_mesh("auto"))
