@@ -79,8 +79,8 @@ def plan_shape(model, target_name, batch, seq, mesh, remat, source, args) -> dic
                   progress=lambda line: print(f"  {line}", flush=True))
     theirs = candidate(mesh, remat)
     seen = {s.candidate: s for s in [*result.ranked, *result.over_budget]}
-    scored = seen.get(theirs) or analytic(config, theirs, result.profile, result.budget_bytes)
-    analytic_memory = scored.figures.memory_bytes
+    formula = analytic(config, theirs, result.profile, result.budget_bytes)
+    scored, analytic_memory = seen.get(theirs) or formula, formula.figures.memory_bytes
     if not scored.compiled:  # compile MaxText's mesh as the plan compiles its own
         one = plan(config, target=target, pinned=dict(theirs.degrees), remats=(remat,),
                    microbatches=(1,), compile_top=1, cache=cache)
