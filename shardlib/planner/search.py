@@ -139,9 +139,13 @@ def analytic(config: Config, cand: Candidate, profile: DeviceProfile, budget: in
 
 
 # --------------------------------------------------------------------------- compile
+CACHE_VERSION = 2  # 2: a TPU step's memory is its compiler's own peak (``peak_of``)
+
+
 def _cache_key(config: Config, cand: Candidate, devices: list[jax.Device]) -> str:
     blob = json.dumps([to_dict(cand.apply(config)), len(devices), devices[0].platform,
-                       devices[0].device_kind, jax.__version__], sort_keys=True, default=str)
+                       devices[0].device_kind, jax.__version__, CACHE_VERSION],
+                      sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
