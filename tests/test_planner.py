@@ -136,6 +136,24 @@ def test_parameter_counts_follow_grouped_query_attention_and_gated_mlps():
     assert count_params(get_preset("llama3-8b")) == 8_030_261_248  # Meta's 8.03B
 
 
+def test_flash_kernels_keep_no_full_attention_rows_in_the_formula():
+    """The peak formula counts the (T x T) scores only for the textbook kernel: a
+    block for chunked and splash, none for cuDNN (long-context plans on TPU use splash)."""
+    from shardlib.analysis.peak import attention_keys, peak_terms
+
+    long = dataclasses.replace(TINY, train=dataclasses.replace(TINY.train, seq_len=4096))
+    sizes = {"data": 8}
+    act = {}
+    for impl in ("xla", "chunked"):
+        config = dataclasses.replace(long, attention=dataclasses.replace(long.attention,
+                                                                         impl=impl))
+        act[impl] = peak_terms(config, sizes, explicit=False).activations
+        assert attention_keys(config, "cpu", 4) == {"xla": 4096, "chunked": 512}[impl]
+    assert act["chunked"] < act["xla"] / 3
+    auto = dataclasses.replace(long, attention=dataclasses.replace(long.attention, impl="auto"))
+    assert attention_keys(auto, "tpu", 2) == 128 and attention_keys(auto, "gpu", 2) == 0
+
+
 def test_a_tpu_step_is_held_against_its_compilers_own_peak():
     """On TPU the compiler's peak (what it refuses a step by) decides, not arguments +
     temporaries; elsewhere the sum (XLA CPU reports only its arguments as a peak)."""
@@ -366,6 +384,26 @@ def test_tpu_memory_estimate_is_the_tpu_compilers(mesh, remat):
     predicted = search.analytic(config, c, profiles.target_profile(target), 2**40)
     assert abs(predicted.figures.memory_bytes / step.memory_bytes - 1) <= 0.15, \
         (predicted.figures.memory_bytes, step.memory_bytes)
+
+
+def test_failed_compiles_spend_the_compile_budget(monkeypatch):
+    """A compiler that fails slowly stops the search at the compile budget, as a
+    successful compile does (it went through every candidate)."""
+    clock = [0.0]
+    monkeypatch.setattr(search.time, "perf_counter", lambda: clock[0])
+
+    class Failing:
+        calls = 0
+
+        def step(self, config, candidate, devices):
+            Failing.calls += 1
+            clock[0] += 100.0
+            raise RuntimeError("no kernel for this candidate")
+
+    result = search.plan(TINY, 8, H100, remats=("none",), microbatches=(1,),
+                         compile_top=4, compile_budget_s=40.0, cache=Failing())
+    assert Failing.calls == 1 and result.compiles == 1
+    assert any("compile failed" in r.reason for r in result.rejected)
 
 
 # --------------------------------------------------------------------------- auto / CLI

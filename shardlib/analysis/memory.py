@@ -104,7 +104,7 @@ def peak_of(memory: dict[str, int | None], platform: str) -> int | None:
     """One device's peak from ``compiled_memory``. The TPU compiler's own figure
     (``peak_memory_in_bytes``, from its heap simulation) is what it refuses a step by
     (RESOURCE_EXHAUSTED past the HBM), and arguments + temporaries are not that figure
-    there: 1.6x below it at small batches, 1.3x above it at large ones (``small`` on 8
+    there: 2.1x below it at small batches, 1.3x above it at large ones (``small`` on 8
     v5e chips), so a TPU step is held against it; elsewhere (XLA CPU reports the
     arguments as its peak) arguments + outputs - aliased + temporaries."""
     if platform == "tpu" and memory.get("peak_memory_bytes"):

@@ -25,8 +25,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import jax.numpy as jnp
+
 from shardlib.analysis.theory import state_bytes_per_device, unit_elements
 from shardlib.config import Config
+from shardlib.models.attention import SPLASH_BLOCK
+from shardlib.models.attention import resolve as resolve_attention
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class BufferCounts:
     remat_f: float  # the layer being rebuilt, per token: compute-dtype (d_ff / t)-sized
     remat_probs: float  # the layer being rebuilt, per token: fp32 attention rows
     logits: float  # per token, not per layer: fp32 (vocab / t)-sized arrays
+    dots_f: float = 0.0  # remat dots, per token per MLP input matmul (gated: 2): (d_ff/t)
     pad_attention: float = 0.0  # copies of the attention weights with head_dim padded to 128
     pad_mlp_out: float = 0.0  # copies of W_out with its fsdp-split embed dim padded to 128
 
@@ -62,11 +67,14 @@ CPU_COUNTS = BufferCounts(update=2, working_set=1, d32=4, dc=6, f32=0, fc=9, pro
 # activations XLA CPU does (its fusions recompute elementwise results in backward), a
 # layer's MLP intermediates while the layer is rebuilt, one gradient-sized buffer, and
 # lays weights out on 128 lanes: head_dim 32 or 64 and an fsdp-split embed dim below 128
-# are padded. ``dots`` was not in the fit: its layer inputs scale from ``full``'s as on
-# CPU.
+# are padded. Two terms come from larger steps, where they dominate: the logits (1.5 fp32
+# copies: vocab 65536, 8192 tokens on one chip) and ``dots``'s saved matmul outputs (the
+# MLP's input matmuls' (d_ff / t)-sized outputs and 3.7 d-sized arrays: Llama-3-8B, 8192
+# tokens per chip on 16 v5p chips, against ``full``).
 TPU_COUNTS = BufferCounts(update=1.0, working_set=0.3, d32=2.5, dc=2.6, f32=3.0, fc=2.4,
-                          probs=0.6, remat_d={"dots": 2.0, "full": 1.2}, remat_f=1.0,
-                          remat_probs=1.8, logits=0.2, pad_attention=1.2, pad_mlp_out=5.9)
+                          probs=0.6, remat_d={"dots": 3.7, "full": 1.2}, remat_f=1.0,
+                          remat_probs=1.8, logits=1.5, dots_f=1.0, pad_attention=1.2,
+                          pad_mlp_out=5.9)
 COUNTS = {"cpu": CPU_COUNTS, "tpu": TPU_COUNTS}  # GPU: not measured yet, XLA CPU's
 LANES = 128  # a TPU vector register's minor dimension: layouts pad the minor dim to it
 
@@ -114,7 +122,8 @@ def fsdp_working_set(config: Config, sizes: Mapping[str, int], *, explicit: bool
 
 
 def saved_bytes_per_token(config: Config, sizes: Mapping[str, int], remat: str,
-                          c: int, counts: BufferCounts = CPU_COUNTS) -> float:
+                          c: int, counts: BufferCounts = CPU_COUNTS,
+                          keys: int | None = None) -> float:
     """Bytes kept per local token from forward to backward: every layer's activations
     and the logits'. Attention probabilities (fp32, every key: K/V are gathered along the
     sequence) are kept unless the layer is recomputed."""
@@ -122,14 +131,17 @@ def saved_bytes_per_token(config: Config, sizes: Mapping[str, int], remat: str,
     d, f = m.d_model, m.d_ff / t
     if remat == "none":
         per_layer = (d * (counts.d32 * 4 + counts.dc * c) + f * (counts.f32 * 4 + counts.fc * c)
-                     + counts.probs * probs_bytes_per_token(config, sizes))
+                     + counts.probs * probs_bytes_per_token(config, sizes, keys))
     else:  # layer inputs (and, for dots, matmul outputs)
-        per_layer = counts.remat_d[remat] * d * c
+        mlp_inputs = 2 if m.mlp == "gated" else 1
+        per_layer = (counts.remat_d[remat] * d
+                     + (counts.dots_f * mlp_inputs * f if remat == "dots" else 0.0)) * c
     return m.num_layers * per_layer + counts.logits * 4 * m.vocab_size / t
 
 
 def working_bytes_per_token(config: Config, sizes: Mapping[str, int], remat: str,
-                            c: int = 4, counts: BufferCounts = CPU_COUNTS) -> float:
+                            c: int = 4, counts: BufferCounts = CPU_COUNTS,
+                            keys: int | None = None) -> float:
     """Under remat, the temporaries of the one layer being rebuilt and differentiated:
     its attention's fp32 scores, probabilities and their gradients (at long sequences
     they dominate: T=4096, one device, ``full``: compiled 1.06x of this on XLA CPU) and,
@@ -138,7 +150,8 @@ def working_bytes_per_token(config: Config, sizes: Mapping[str, int], remat: str
     if remat == "none":
         return 0.0
     f = config.model.d_ff / sizes.get("tensor", 1)
-    return counts.remat_probs * probs_bytes_per_token(config, sizes) + counts.remat_f * f * c
+    return (counts.remat_probs * probs_bytes_per_token(config, sizes, keys)
+            + counts.remat_f * f * c)
 
 
 def layout_padding(config: Config, sizes: Mapping[str, int], counts: BufferCounts) -> float:
@@ -156,9 +169,24 @@ def layout_padding(config: Config, sizes: Mapping[str, int], counts: BufferCount
     return pad * 4 / (t * fsdp)  # fp32 elements, split over tensor and fsdp
 
 
-def probs_bytes_per_token(config: Config, sizes: Mapping[str, int]) -> float:
-    """fp32 attention probabilities per local token: every head's row over the keys."""
-    return config.model.num_heads / sizes.get("tensor", 1) * config.train.seq_len * 4
+def probs_bytes_per_token(config: Config, sizes: Mapping[str, int],
+                          keys: int | None = None) -> float:
+    """fp32 attention probabilities per local token: every head's row over ``keys``
+    (default every key: the textbook kernel; ``attention_keys``)."""
+    keys = config.train.seq_len if keys is None else keys
+    return config.model.num_heads / sizes.get("tensor", 1) * keys * 4
+
+
+def attention_keys(config: Config, platform: str, compute_bytes: int) -> int:
+    """Keys one query row holds scores for at once under the kernel ``attention.impl``
+    resolves to on ``platform``: every key (``xla``), a block (``chunked``: the chunk;
+    ``splash``: its 128-block), none beyond a log-sum-exp (``cudnn``)."""
+    seq = config.train.seq_len
+    kernel = resolve_attention(config.attention.impl, backend=platform, seq_len=seq,
+                               dtype=jnp.bfloat16 if compute_bytes == 2 else jnp.float32,
+                               head_dim=config.model.head_dim)
+    return {"xla": seq, "chunked": min(config.attention.chunk, seq),
+            "splash": min(SPLASH_BLOCK, seq)}.get(kernel, 0)
 
 
 def local_tokens(config: Config, sizes: Mapping[str, int], microbatches: int) -> float:
@@ -174,11 +202,11 @@ def peak_terms(config: Config, sizes: Mapping[str, int], *, explicit: bool,
                platform: str = "cpu") -> PeakTerms:
     """The formula's parts for ``config`` (its ``model.remat``) on a mesh of ``sizes``,
     with ``platform``'s buffer counts (``counts_for``)."""
-    counts = counts_for(platform)
+    counts, keys = counts_for(platform), attention_keys(config, platform, compute_bytes)
     state = state_bytes_per_device(config, sizes)
     remat = config.model.remat
-    per_token = (saved_bytes_per_token(config, sizes, remat, compute_bytes, counts)
-                 + working_bytes_per_token(config, sizes, remat, compute_bytes, counts))
+    per_token = (saved_bytes_per_token(config, sizes, remat, compute_bytes, counts, keys)
+                 + working_bytes_per_token(config, sizes, remat, compute_bytes, counts, keys))
     working = fsdp_working_set(config, sizes, explicit=explicit, gather_bytes=gather_bytes,
                                prefetch=prefetch)
     return PeakTerms(

@@ -139,9 +139,13 @@ def analytic(config: Config, cand: Candidate, profile: DeviceProfile, budget: in
 
 
 # --------------------------------------------------------------------------- compile
+CACHE_VERSION = 2  # 2: a TPU step's memory is its compiler's own peak (``peak_of``)
+
+
 def _cache_key(config: Config, cand: Candidate, devices: list[jax.Device]) -> str:
     blob = json.dumps([to_dict(cand.apply(config)), len(devices), devices[0].platform,
-                       devices[0].device_kind, jax.__version__], sort_keys=True, default=str)
+                       devices[0].device_kind, jax.__version__, CACHE_VERSION],
+                      sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
@@ -339,12 +343,15 @@ def _refine(config: Config, scored: list[Scored], devices: list[jax.Device],
             continue
         if progress:
             progress(f"compiling {s.candidate.key}")
+        started = time.perf_counter()
         try:
             step, hit = cache.step(config, s.candidate, devices)
             figures = compiled_figures(step, config, s.candidate, profile)
         except Exception as err:  # noqa: BLE001 - a candidate XLA cannot build is dropped
             s.verdict, s.note = "failed", f"compile failed: {type(err).__name__}: " + \
                 (str(err).strip().splitlines() or [""])[0][:200]
+            last = time.perf_counter() - started  # failures spend the budget too
+            spent, tried = spent + last, tried + 1
             continue
         last = 0.0 if hit else step.compile_s
         spent, tried = spent + last, tried + 1
