@@ -29,7 +29,7 @@ from shardlib.config import (
 )
 from shardlib.errors import ConfigError
 from shardlib.train import pipeline
-from shardlib.train.pipeline_schedule import BWD, FWD, IDLE, build, with_slots
+from shardlib.train.pipeline_schedule import BWD, FWD, IDLE, WGT, Schedule, build, with_slots
 from shardlib.train.state import TrainSetup, TrainState, build_setup, init_state
 from shardlib.train.step import loss_fn, make_train_step
 from tests.helpers import relative_error
@@ -74,15 +74,87 @@ def test_1f1b_holds_stages_inputs_gpipe_microbatches(stages: int):
         assert build("gpipe", stages, m).act_slots == m
 
 
-def test_table_respects_dependencies():
-    table = build("1f1b", 4, 8)
-    tick = {(int(table.op_ts[t, s]), s, int(table.mb_ts[t, s])): t
-            for t in range(table.ticks) for s in range(4) if table.op_ts[t, s] != IDLE}
-    for (op, s, m), t in tick.items():
-        if op == FWD and s > 0:
-            assert tick[(FWD, s - 1, m)] < t
+def op_ticks(table: Schedule) -> dict[tuple[int, int, int], int]:
+    """(op, model stage, microbatch) -> tick, read back from the table's arrays."""
+    p = table.stages
+    return {(int(table.op_ts[t, s]), int(table.chunk_ts[t, s]) * p + s,
+             int(table.mb_ts[t, s])): t
+            for t in range(table.ticks) for s in range(p) if table.op_ts[t, s] != IDLE}
+
+
+# (schedule, stages, microbatches, chunks per stage)
+NEW_TABLES = [("zb-h1", p, p * k, 1) for p in (2, 4, 8) for k in (1, 2, 4)] + [
+    ("interleaved", p, p * k, v) for p in (2, 4) for k in (1, 2, 4) for v in (2, 3)]
+
+
+@pytest.mark.parametrize("schedule, stages, microbatches, virtual", NEW_TABLES)
+def test_new_tables_bubble_matches_theory(schedule: str, stages: int, microbatches: int,
+                                          virtual: int):
+    table = build(schedule, stages, microbatches, virtual)
+    kinds = (FWD, BWD, WGT) if schedule == "zb-h1" else (FWD, BWD)
+    ticks = op_ticks(table)  # every model stage runs each op of each microbatch once
+    assert len(ticks) == len(kinds) * stages * virtual * microbatches
+    assert set(ticks) == {(k, g, m) for k in kinds for g in range(stages * virtual)
+                          for m in range(microbatches)}
+    assert table.bubble_fraction() == pytest.approx(table.theory_bubble())
+    idle = int(np.sum(table.op_ts == IDLE))
+    # the papers' idle ticks per device: interleaved 2(p-1) chunk ops, ZB-H1 p-1 (1F1B,
+    # its backward two ticks, idles 3(p-1))
+    assert idle == stages * (stages - 1) * (1 if schedule == "zb-h1" else 2)
+
+
+@pytest.mark.parametrize("schedule, virtual", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1),
+                                               ("interleaved", 2), ("interleaved", 4)])
+@pytest.mark.parametrize("stages, microbatches", [(2, 2), (2, 8), (4, 4), (4, 16), (8, 16)])
+def test_live_activations_match_known_counts(schedule: str, virtual: int, stages: int,
+                                             microbatches: int):
+    """Peak microbatches between F and B per device, counted on the table: GPipe M,
+    1F1B and ZB-H1 p - s, interleaved 2(p-1-s) + (v-1)p + 1 chunks."""
+    table = build(schedule, stages, microbatches, virtual)
+    assert list(table.live_activations()) == table.theory_live_activations()
+    if schedule == "zb-h1":  # at most p microbatches wait for their W
+        assert max(table.waiting_weight_grads()) <= stages
+
+
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("gpipe", 1), ("zb-h1", 1),
+                                               ("interleaved", 2)])
+def test_table_respects_dependencies(schedule: str, virtual: int):
+    table = build(schedule, 4, 8, virtual)
+    last = 4 * virtual - 1
+    ticks = op_ticks(table)
+    for (op, g, m), t in ticks.items():
+        if op == FWD and g > 0:
+            assert ticks[(FWD, g - 1, m)] < t
         if op == BWD:
-            assert tick[(FWD, s, m)] < t and (s == 3 or tick[(BWD, s + 1, m)] < t)
+            assert ticks[(FWD, g, m)] < t and (g == last or ticks[(BWD, g + 1, m)] < t)
+        if op == WGT:
+            assert ticks[(BWD, g, m)] < t
+
+
+def test_slots_hold_what_each_op_reads():
+    """Replaying the receive tables: every F/B/W reads the slot its input arrived in, and
+    no arrival overwrites a slot that is still to be read."""
+    for table in (build("zb-h1", 4, 8), build("interleaved", 4, 8, 2), build("1f1b", 4, 8)):
+        p = table.stages
+        acts: list[dict] = [{} for _ in range(p)]
+        cots: list[dict] = [{} for _ in range(p)]
+        for t in range(table.ticks):
+            for s in range(p):
+                op, c, m = (int(a[t, s]) for a in (table.op_ts, table.chunk_ts, table.mb_ts))
+                g = c * p + s
+                if op != IDLE and g > 0:
+                    assert acts[s][int(table.act_slot_ts[t, s])] == (c, m)
+                if op in (BWD, WGT) and g < p * table.virtual - 1:
+                    assert cots[s][int(table.grad_slot_ts[t, s])] == (c, m)
+            for s in range(p):
+                op, c, m = (int(a[t, s]) for a in (table.op_ts, table.chunk_ts, table.mb_ts))
+                g = c * p + s
+                if op == FWD and g + 1 < p * table.virtual:
+                    to = (g + 1) % p
+                    acts[to][int(table.act_recv_ts[t, to])] = ((g + 1) // p, m)
+                if op == BWD and g > 0:
+                    to = (g - 1) % p
+                    cots[to][int(table.grad_recv_ts[t, to])] = ((g - 1) // p, m)
 
 
 def test_timeline_prints_who_runs_what():
@@ -90,6 +162,22 @@ def test_timeline_prints_who_runs_what():
     assert "1f1b: 2 stages, 4 microbatches, 10 ticks, bubble 0.200 (theory 0.200)" in text
     assert text.splitlines()[2].split()[:4] == ["stage", "0", "F0", "F1"]
     assert text.splitlines()[3].split()[:5] == ["stage", "1", ".", "F0", "B0"]
+    text = build("zb-h1", 2, 4).timeline()
+    assert "zb-h1: 2 stages, 4 microbatches, 13 ticks, bubble 0.077 (theory 0.077)" in text
+    assert text.splitlines()[2].split()[-3:] == ["W2", "B3", "W3"]
+    text = build("interleaved", 2, 4, 2).timeline()
+    assert "2 chunks per stage, 4 microbatches, 18 ticks, bubble 0.111 (theory 0.111)" in text
+    assert text.splitlines()[2].split()[2:5] == ["F0.0", "F1.0", "F0.1"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("zb", 2, 4, 1), "pipeline.schedule='zb'"),
+    (("1f1b", 2, 4, 2), "pipeline.virtual_stages=2 with pipeline.schedule=1f1b"),
+    (("interleaved", 2, 3, 2), "pipeline.microbatches=3 with the interleaved"),
+])
+def test_table_errors_name_field_and_fix(args: tuple, needle: str):
+    with pytest.raises(ConfigError, match=needle):
+        build(*args)
 
 
 # --- equivalence with the unpipelined model ---------------------------------------------
