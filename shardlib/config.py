@@ -204,8 +204,13 @@ class CommConfig:
 class PipelineConfig:
     """How microbatches stream through the ``pipeline`` stages (``shardlib.train.pipeline``)."""
 
-    schedule: str = "1f1b"  # gpipe: all forwards then all backwards | 1f1b: memory ~ stages
+    # gpipe: all forwards then all backwards | 1f1b: memory ~ stages | zb-h1: backward split
+    # into input-gradient (B) and weight-gradient (W) ops that fill 1F1B's bubble (~1/3 of it)
+    schedule: str = "1f1b"
     microbatches: int = 0  # per step; >= pipeline, divides the batch; 0 = up to 4 x pipeline
+    # interleaved only: chunks of layers per device (chunk c of device s is model stage
+    # c x pipeline + s); bubble (pipeline-1)/(V M) of the ideal; layers divisible by P x V
+    virtual_stages: int = 1
 
 
 @dataclass(frozen=True)

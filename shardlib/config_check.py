@@ -34,7 +34,7 @@ RANGES: dict[str, dict[str, str]] = {
                              ">=1"),
              "outer_lr": ">0", "outer_momentum": "[0,1)", "comm_high": "(0,1]",
              "comm_low": "[0,1]", "loss_rise": ">=0", "slow_gbps": ">0"},
-    "pipeline": {"microbatches": ">=0"},
+    "pipeline": {"microbatches": ">=0", "virtual_stages": ">=1"},
     "checkpoint": {"every": ">=0", "keep": ">=1"},
     "data": {"workers": "[0,64]", "prefetch": ">=0"},
 }

@@ -42,13 +42,14 @@ BATCH, SEQ = 32, 16
 
 
 def make_config(mesh: MeshConfig, schedule: str = "1f1b", microbatches: int = 0,
-                steps: int = 3, **model_changes) -> Config:
+                steps: int = 3, virtual: int = 1, **model_changes) -> Config:
     return Config(
         mesh=mesh, model=dataclasses.replace(MODEL, **model_changes),
         optim=OptimConfig(lr=1e-3, eps=1e-6, warmup_steps=0),
         train=TrainConfig(steps=steps, batch_size=BATCH, seq_len=SEQ, data="synthetic",
                           eval_every=0, sample_tokens=0),
-        pipeline=PipelineConfig(schedule=schedule, microbatches=microbatches),
+        pipeline=PipelineConfig(schedule=schedule, microbatches=microbatches,
+                                virtual_stages=virtual),
     )
 
 
@@ -256,9 +257,11 @@ def test_keeping_gathered_weights_matches_unpipelined():
     assert max(relative_error(grads[k], ref_grads[k]) for k in ref_grads) < 1e-5
 
 
-def train_losses(mesh: MeshConfig, steps: int = 3) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def train_losses(mesh: MeshConfig, steps: int = 3, schedule: str = "1f1b", virtual: int = 1
+                 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Losses of ``steps`` train steps from the reference initial state, and the params."""
-    setup = build_setup(make_config(mesh, microbatches=4, steps=steps),
+    config = make_config(mesh, schedule, microbatches=4, steps=steps, virtual=virtual)
+    setup = build_setup(config,
                         jax.devices()[:mesh.data * mesh.fsdp * mesh.pipeline])
     state = jax.device_put(reference()[0], setup.state_shardings)
     step, losses = compile_fast(make_train_step(setup), state, first_batch(setup)), []
@@ -268,9 +271,25 @@ def train_losses(mesh: MeshConfig, steps: int = 3) -> tuple[np.ndarray, dict[str
     return np.array(losses), flat(state.params)
 
 
+@cache
+def single_device_training() -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    return train_losses(MeshConfig(data=1))
+
+
 def test_training_pipeline4_data2_matches_single_device():
-    ref_losses, ref_params = train_losses(MeshConfig(data=1))
+    ref_losses, ref_params = single_device_training()
     losses, params = train_losses(MeshConfig(data=2, pipeline=4))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+    assert max(relative_error(params[k], ref_params[k]) for k in ref_params) < 1e-5
+
+
+@pytest.mark.parametrize("schedule, virtual", [("zb-h1", 1), ("interleaved", 2)])
+def test_new_schedules_train_like_one_device(schedule: str, virtual: int):
+    """ZB-H1 (B the input gradient, W the weight gradient, each recomputing the stage) and
+    interleaved 1F1B (2 chunks of one layer per device, dealt from the stored layout each
+    step): three AdamW steps give the single-device losses and parameters."""
+    ref_losses, ref_params = single_device_training()
+    losses, params = train_losses(MESHES[2], schedule=schedule, virtual=virtual)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
     assert max(relative_error(params[k], ref_params[k]) for k in ref_params) < 1e-5
 
@@ -292,6 +311,13 @@ def test_cli_selects_pipeline():
      "train.batch_size=32 does not split into pipeline.microbatches=5"),
     (MeshConfig(data=1, tensor=2, pipeline=4), {}, "pipeline=4 with tensor=2"),
     (MeshConfig(data=2, pipeline=4), {"schedule": "zb"}, "pipeline.schedule='zb'"),
+    (MeshConfig(data=4, pipeline=2), {"virtual": 2},
+     "pipeline.virtual_stages=2 with pipeline.schedule=1f1b: .* set pipeline.schedule="),
+    (MeshConfig(data=4, pipeline=2), {"virtual": 4, "schedule": "interleaved"},
+     r"model.num_layers=4 is not divisible by pipeline=2 x pipeline.virtual_stages=4"),
+    (MeshConfig(data=4, pipeline=2), {"virtual": 2, "schedule": "interleaved",
+                                      "microbatches": 3},
+     "pipeline.microbatches=3 with the interleaved schedule and pipeline=2"),
     (MeshConfig(data=2, pipeline=4), {"scan_layers": False}, "model.scan_layers=false"),
     (MeshConfig(data=2, pipeline=4), {"grad_accum": 2}, "train.grad_accum=2 with pipeline"),
     (MeshConfig(data=2, pipeline=4), {"grad_dtype": "bf16"}, "comm.* gradient options"),
@@ -299,9 +325,12 @@ def test_cli_selects_pipeline():
 def test_errors_name_field_value_and_fix(mesh: MeshConfig, changes: dict, needle: str):
     config = make_config(mesh)
     pipe = {k: v for k, v in changes.items() if k in ("microbatches", "schedule")}
+    if "virtual" in changes:
+        pipe["virtual_stages"] = changes["virtual"]
     train = {k: v for k, v in changes.items() if k == "grad_accum"}
     comm = {k: v for k, v in changes.items() if k == "grad_dtype"}
-    model = {k: v for k, v in changes.items() if k not in {**pipe, **train, **comm}}
+    model = {k: v for k, v in changes.items()
+             if k not in {**pipe, **train, **comm, "virtual": 0}}
     config = dataclasses.replace(
         config, pipeline=dataclasses.replace(config.pipeline, **pipe),
         train=dataclasses.replace(config.train, **train),

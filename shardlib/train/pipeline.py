@@ -1,4 +1,4 @@
-"""Pipeline parallelism: GPipe and 1F1B schedules over the ``pipeline`` mesh axis.
+"""Pipeline parallelism: GPipe, 1F1B, interleaved 1F1B and ZB-H1 over ``pipeline``.
 
 The stacked layers split evenly into stages: the ``layers`` dim of every block parameter
 is sharded over ``pipeline`` (rule preset ``pp``). Embedding, final norm and LM head are
@@ -13,6 +13,11 @@ the stage from that input (GPipe's re-materialisation), so a stage holds
 stage's gradient accumulator in place, and runs only on backward ticks (``run_if``), so
 the accumulator is the one stage-sized gradient buffer: a layer adds its sharded state
 and one gradient shard to the peak, as under plain FSDP.
+
+Under ZB-H1 the backward is two ops, B (input cotangent) and W (weight gradients), each
+recomputing the stage: the schedule trades that recompute for a third of 1F1B's bubble.
+Under interleaved 1F1B each device runs ``V`` chunks of layers (``pipeline_chunks`` deals
+them from the stored layout each step) and activations go round the devices ``V`` times.
 
 The batch axes (``data``, ``fsdp``) are manual too. With ``mesh.reshard_after_forward``
 (the default) a stage gathers its fsdp-split weights one layer at a time inside every
@@ -43,8 +48,17 @@ from shardlib.errors import ConfigError
 from shardlib.models.gpt import gather_outside_layers
 from shardlib.models.layers import layer_body, scan_layers
 from shardlib.parallel import fsdp
-from shardlib.train import comm
-from shardlib.train.pipeline_schedule import BWD, FWD, IDLE, SCHEDULES, Schedule, build
+from shardlib.train import comm, pipeline_chunks
+from shardlib.train.pipeline_schedule import (
+    BWD,
+    FWD,
+    IDLE,
+    SCHEDULES,
+    WGT,
+    Schedule,
+    build,
+    check_virtual,
+)
 from shardlib.train.setup import TrainSetup
 
 AXIS = "pipeline"
@@ -68,7 +82,8 @@ def resolve_microbatches(config: Config, sizes: Mapping[str, int]) -> int:
     if config.pipeline.microbatches:
         return config.pipeline.microbatches
     stages, local = sizes.get(AXIS, 1), config.train.batch_size // batch_shards(sizes)
-    fits = [m for m in range(stages, 4 * stages + 1) if local % m == 0]
+    step = stages if config.pipeline.schedule == "interleaved" else 1  # groups of stages
+    fits = [m for m in range(stages, 4 * stages + 1, step) if local % m == 0]
     return max(fits, default=stages)
 
 
@@ -77,15 +92,24 @@ def check_pipeline(config: Config, sizes: Mapping[str, int]) -> None:
     if config.pipeline.schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule={config.pipeline.schedule!r}: use one of "
                           f"{', '.join(SCHEDULES)}")
+    v = config.pipeline.virtual_stages
+    if v != 1 and config.pipeline.schedule != "interleaved":
+        check_virtual(config.pipeline.schedule, sizes.get(AXIS, 1), 1, v)  # raises
     if not applies(sizes):
         return
     p, model = sizes[AXIS], config.model
+    if model.num_layers % (p * v):
+        raise ConfigError(
+            f"model.num_layers={model.num_layers} is not divisible by pipeline={p} x "
+            f"pipeline.virtual_stages={v}: every chunk needs the same number of layers; use "
+            f"num_layers a multiple of {p * v} or fewer virtual_stages")
     if model.num_layers % p:
         raise ConfigError(
             f"model.num_layers={model.num_layers} is not divisible by pipeline={p}: every "
             f"stage needs the same number of layers; use num_layers a multiple of {p} or a "
             f"pipeline degree that divides {model.num_layers}")
     _check_support(config, sizes)
+    check_virtual(config.pipeline.schedule, p, resolve_microbatches(config, sizes), v)
     _check_microbatches(config, sizes)
 
 
@@ -218,11 +242,11 @@ class Stage:
 
 
 def tables(schedule: Schedule) -> np.ndarray:
-    """(ticks, stages, 6) int32: op, microbatch, act read/receive slot, grad read/receive
-    slot. Passed traced, one compiled step runs any schedule of the same shape."""
+    """(ticks, stages, 7) int32: op, microbatch, act read/receive slot, grad read/receive
+    slot, chunk. Passed traced, one compiled step runs any schedule of the same shape."""
     s = schedule
     return np.stack([s.op_ts, s.mb_ts, s.act_slot_ts, s.act_recv_ts, s.grad_slot_ts,
-                     s.grad_recv_ts], axis=-1)
+                     s.grad_recv_ts, s.chunk_ts], axis=-1)
 
 
 def run_if(pred: jax.Array, body: Callable[[tuple], tuple], carry: tuple) -> tuple:
@@ -240,31 +264,46 @@ def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params:
                  dtype: jnp.dtype, d_model: int) -> tuple[jax.Array, nnx.State]:
     """Inside shard_map: run the tick table; return (this stage's loss sum over its
     microbatches, its parameter gradients for cotangent ``dloss`` per microbatch loss).
-    ``schedule`` gives the shapes (stages, slots), ``table_tpc`` the operations."""
-    p = schedule.stages
+    ``schedule`` gives the shapes (stages, slots, chunks) and whether B and W are split,
+    ``table_tpc`` the operations."""
+    p, v, split = schedule.stages, schedule.virtual, schedule.split_backward
     me = jax.lax.axis_index(AXIS)
-    is_first, is_last = me == 0, me == p - 1
     zeros_btd = jnp.zeros((*inputs_mbt.shape[1:], d_model), dtype)
-    to_next, to_prev = [(s, s + 1) for s in range(p - 1)], [(s, s - 1) for s in range(1, p)]
+    ring = v > 1  # the last device's chunk c feeds the first device's chunk c + 1
+    to_next = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
+    to_prev = [(s, (s - 1) % p) for s in range(0 if ring else 1, p)]
+    if v > 1:  # each device's layers into its chunks (model stages c P + me)
+        blocks, rest = split_blocks(params)
+        params = join_blocks(pipeline_chunks.deal(blocks, p, v, AXIS), rest)
 
     def tick(carry: tuple, table_pc: jax.Array) -> tuple[tuple, None]:
         acts_kbtd, cots_kbtd, grads, loss = carry
-        op, m, a_read, a_recv, g_read, g_recv = (table_pc[me, i] for i in range(6))
+        op, m, a_read, a_recv, g_read, g_recv, c = (table_pc[me, i] for i in range(7))
+        is_first, is_last = (me == 0) & (c == 0), (me == p - 1) & (c == v - 1)
         op = jnp.where(is_last & (op == FWD), IDLE, op)  # its backward recomputes it anyway
         x_btd, tokens_bt, targets_bt = acts_kbtd[a_read], inputs_mbt[m], targets_mbt[m]
+        params_c = _chunk_params(params, c, v)
 
         def forward() -> jax.Array:
-            return stage.forward(params, x_btd, tokens_bt, is_first)
+            return stage.forward(params_c, x_btd, tokens_bt, is_first)
 
-        def backward(carry: tuple) -> tuple:  # recompute the stage from its input, then back
-            _, grads, loss = carry
+        def backward(carry: tuple, weights: bool = True, inputs: bool = True) -> tuple:
+            """Recompute the stage from its input, then back: the input cotangent (B) and
+            the weight gradients (W), both unless the schedule splits them."""
+            _, old_grads, loss = carry
             dy_btd = jnp.where(is_last, zeros_btd, cots_kbtd[g_read])
-            dx_btd, grads, loss_m = stage.backward(params, grads, x_btd, dy_btd, tokens_bt,
-                                                   targets_bt, is_first, is_last, dloss)
-            return dx_btd, grads, loss + loss_m
+            dx_btd, grads_c, loss_m = stage.backward(
+                params_c, _chunk_params(old_grads, c, v), x_btd, dy_btd, tokens_bt,
+                targets_bt, is_first, is_last, dloss)
+            grads = _put_chunk_grads(old_grads, grads_c, c, v) if weights else old_grads
+            return (dx_btd if inputs else zeros_btd, grads, loss + loss_m if inputs else loss)
 
         y_btd = jax.lax.cond(op == FWD, forward, lambda: zeros_btd)
-        dx_btd, grads, loss = run_if(op == BWD, backward, (zeros_btd, grads, loss))
+        dx_btd, grads, loss = run_if(op == BWD, lambda c: backward(c, weights=not split),
+                                     (zeros_btd, grads, loss))
+        if split:  # W: the weight half, its input cotangent unused (left to XLA to drop)
+            _, grads, _ = run_if(op == WGT, lambda c: backward(c, inputs=False),
+                                 (zeros_btd, grads, loss))
         y_btd = jax.lax.ppermute(y_btd, AXIS, to_next)  # activations one stage on
         dx_btd = jax.lax.ppermute(dx_btd, AXIS, to_prev)  # cotangents one stage back
         return (acts_kbtd.at[a_recv].set(y_btd), cots_kbtd.at[g_recv].set(dx_btd), grads,
@@ -274,7 +313,28 @@ def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params:
             jnp.zeros((schedule.grad_slots + 1, *zeros_btd.shape), dtype),
             jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
     (_, _, grads, loss), _ = jax.lax.scan(tick, init, table_tpc)
+    if v > 1:  # the chunks' gradients back to the stored layout
+        blocks, rest = split_blocks(grads)
+        grads = join_blocks(pipeline_chunks.undeal(blocks, p, v, AXIS), rest)
     return loss, grads
+
+
+def _chunk_params(params: nnx.State, c: jax.Array, virtual: int) -> nnx.State:
+    """The state with only chunk ``c`` of its (dealt) layers; itself when ``virtual`` 1."""
+    if virtual == 1:
+        return params
+    blocks, rest = split_blocks(params)
+    return join_blocks(pipeline_chunks.chunk(blocks, c, virtual), rest)
+
+
+def _put_chunk_grads(grads: nnx.State, grads_c: nnx.State, c: jax.Array,
+                     virtual: int) -> nnx.State:
+    """Inverse of ``_chunk_params`` for the gradient accumulator."""
+    if virtual == 1:
+        return grads_c
+    blocks, _ = split_blocks(grads)
+    blocks_c, rest_c = split_blocks(grads_c)
+    return join_blocks(pipeline_chunks.put_chunk(blocks, blocks_c, c), rest_c)
 
 
 def _spec_axes(spec: PartitionSpec) -> set[str]:
@@ -312,7 +372,8 @@ def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Ar
     ``table_tpc`` (default: ``tables(schedule)``) may be traced."""
     config, sizes = setup.config, setup.sizes
     schedule = schedule or build(config.pipeline.schedule, sizes[AXIS],
-                                 resolve_microbatches(config, sizes))
+                                 resolve_microbatches(config, sizes),
+                                 config.pipeline.virtual_stages)
     table_tpc = tables(schedule) if table_tpc is None else table_tpc
     per_layer = sizes.get("fsdp", 1) > 1 and config.mesh.reshard_after_forward
     stage = Stage(setup.graphdef, setup.policy, config.model.remat, gathers=per_layer)

@@ -25,8 +25,8 @@ import numpy as np
 from shardlib.errors import ConfigError
 
 IDLE, FWD, BWD, WGT = 0, 1, 2, 3
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")  # what the train step runs
-TABLES: tuple[str, ...] = (*SCHEDULES, "interleaved", "zb-h1")  # what ``build`` makes
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")  # run and built
+TABLES = SCHEDULES
 LETTER = {FWD: "F", BWD: "B", WGT: "W"}
 
 Op = tuple[int, int, int]  # (FWD, BWD or WGT, chunk, microbatch)
