@@ -25,8 +25,7 @@ import numpy as np
 from shardlib.errors import ConfigError
 
 IDLE, FWD, BWD, WGT = 0, 1, 2, 3
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")  # run and built
-TABLES = SCHEDULES
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
 LETTER = {FWD: "F", BWD: "B", WGT: "W"}
 
 Op = tuple[int, int, int]  # (FWD, BWD or WGT, chunk, microbatch)
@@ -252,8 +251,8 @@ def allocate(intervals: list[tuple[int, int, tuple[int, int]]]
 
 def check_virtual(schedule: str, stages: int, microbatches: int, virtual: int) -> None:
     """Raise a ConfigError unless ``virtual`` chunks fit ``schedule``."""
-    if schedule not in TABLES:
-        raise ConfigError(f"pipeline.schedule={schedule!r}: use one of {', '.join(TABLES)}")
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"pipeline.schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
     if virtual < 1 or (virtual > 1 and schedule != "interleaved"):
         raise ConfigError(f"pipeline.virtual_stages={virtual} with pipeline.schedule="
                           f"{schedule}: chunks per stage need the interleaved schedule; "
@@ -265,7 +264,7 @@ def check_virtual(schedule: str, stages: int, microbatches: int, virtual: int) -
 
 
 def build(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
-    """The tick table of ``schedule`` (one of ``TABLES``) with ``virtual`` chunks per
+    """The tick table of ``schedule`` (one of ``SCHEDULES``) with ``virtual`` chunks per
     device (interleaved only)."""
     check_virtual(schedule, stages, microbatches, virtual)
     p, m, v = stages, microbatches, virtual
