@@ -98,16 +98,16 @@ def check_pipeline(config: Config, sizes: Mapping[str, int]) -> None:
     if not applies(sizes):
         return
     p, model = sizes[AXIS], config.model
-    if model.num_layers % (p * v):
-        raise ConfigError(
-            f"model.num_layers={model.num_layers} is not divisible by pipeline={p} x "
-            f"pipeline.virtual_stages={v}: every chunk needs the same number of layers; use "
-            f"num_layers a multiple of {p * v} or fewer virtual_stages")
     if model.num_layers % p:
         raise ConfigError(
             f"model.num_layers={model.num_layers} is not divisible by pipeline={p}: every "
             f"stage needs the same number of layers; use num_layers a multiple of {p} or a "
             f"pipeline degree that divides {model.num_layers}")
+    if model.num_layers % (p * v):
+        raise ConfigError(
+            f"model.num_layers={model.num_layers} is not divisible by pipeline={p} x "
+            f"pipeline.virtual_stages={v}: every chunk needs the same number of layers; use "
+            f"num_layers a multiple of {p * v} or fewer virtual_stages")
     _check_support(config, sizes)
     check_virtual(config.pipeline.schedule, p, resolve_microbatches(config, sizes), v)
     _check_microbatches(config, sizes)
@@ -299,10 +299,10 @@ def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params:
             return (dx_btd if inputs else zeros_btd, grads, loss + loss_m if inputs else loss)
 
         y_btd = jax.lax.cond(op == FWD, forward, lambda: zeros_btd)
-        dx_btd, grads, loss = run_if(op == BWD, lambda c: backward(c, weights=not split),
+        dx_btd, grads, loss = run_if(op == BWD, lambda st: backward(st, weights=not split),
                                      (zeros_btd, grads, loss))
         if split:  # W: the weight half, its input cotangent unused (left to XLA to drop)
-            _, grads, _ = run_if(op == WGT, lambda c: backward(c, inputs=False),
+            _, grads, _ = run_if(op == WGT, lambda st: backward(st, inputs=False),
                                  (zeros_btd, grads, loss))
         y_btd = jax.lax.ppermute(y_btd, AXIS, to_next)  # activations one stage on
         dx_btd = jax.lax.ppermute(dx_btd, AXIS, to_prev)  # cotangents one stage back
