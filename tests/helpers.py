@@ -32,9 +32,11 @@ def tiny_config(mesh: MeshConfig, steps: int = 3, **model_changes) -> Config:
     )
 
 
-def run_steps(config: Config, num_devices: int = 8, batches: list[dict] | None = None):
+def run_steps(config: Config, num_devices: int = 8, batches: list[dict] | None = None,
+              history: list[dict] | None = None):
     """Train ``config.train.steps`` steps (on ``batches``, host arrays, if given; else the
-    config's data); return (losses, host params by path, setup)."""
+    config's data); return (losses, host params by path, setup). ``history``, if given,
+    receives each step's metrics as floats."""
     from shardlib.train.state import build_setup, init_state
     from shardlib.train.step import make_train_step
 
@@ -49,6 +51,8 @@ def run_steps(config: Config, num_devices: int = 8, batches: list[dict] | None =
                  else {k: jax.device_put(v, setup.batch_sharding) for k, v in batches[i].items()})
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
+        if history is not None:
+            history.append({key: float(value) for key, value in metrics.items()})
     params = {".".join(map(str, p)): np.asarray(v.get_value())
               for p, v in nnx.to_flat_state(state.params)}
     return np.array(losses), params, setup

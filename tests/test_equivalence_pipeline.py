@@ -3,8 +3,9 @@
 The contract of ``test_equivalence.py`` (three fp32 AdamW steps of the tiny GPT: losses
 elementwise and every updated parameter within 1e-5 relative of one device) for meshes
 with ``pipeline=2`` beside ``tensor`` (Megatron TP and SP inside each stage),
-``sequence`` (Ulysses and all-gather context parallelism), packed batches and
-``train.grad_accum``. The tiny model's two layers make one per stage.
+``sequence`` (Ulysses and all-gather context parallelism), MoE models (the router
+losses summed over the stages), packed batches and ``train.grad_accum``. The tiny
+model's two layers make one per stage.
 """
 
 import dataclasses
@@ -66,6 +67,24 @@ def test_pipeline_with_grad_accum_matches_single_device(reference):
     assert_like_one_device(run_steps(config), reference)
 
 
+MOE = {"num_experts": 4, "moe_every": 1, "moe_top_k": 2, "moe_z_weight": 0.01}
+
+
+@pytest.mark.slow  # ~60 s on 2 busy cores: its own one-device MoE reference
+def test_pipelined_moe_matches_single_device():
+    """An MoE layer per stage: each stage adds its layers' share of the router losses
+    (mean over the model's MoE layers) to the objective it differentiates, so the router
+    weights, the losses and the summed router metrics match one device."""
+    want_history, got_history = [], []
+    want = run_steps(tiny_config(MeshConfig(data=1), **MOE), 1, history=want_history)
+    got = run_steps(tiny_config(MeshConfig(data=2, fsdp=2, pipeline=2), **MOE),
+                    history=got_history)
+    assert_like_one_device(got, want)
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped_frac"):
+        np.testing.assert_allclose([h[key] for h in got_history],
+                                   [h[key] for h in want_history], rtol=TOL, err_msg=key)
+
+
 @pytest.mark.slow  # ~45 s on 2 busy cores: its own one-device reference
 def test_pipeline_takes_packed_batches():
     """Packed rows (``segment_ids``, ``positions``) through the stages, GQA, learned
@@ -97,6 +116,14 @@ def test_pipeline_refuses_ring_and_partitioner_attention(method):
     with pytest.raises(ConfigError, match=f"context_parallel={method} with pipeline=2 and "
                                           "sequence=2.*ulysses or allgather"):
         build_setup(config)
+
+
+@pytest.mark.parametrize("mesh", [MeshConfig(data=2, pipeline=2, expert=2),
+                                  MeshConfig(data=2, pipeline=2, tensor=2)])
+def test_pipelined_moe_refuses_expert_and_tensor(mesh):
+    with pytest.raises(ConfigError, match="num_experts=4 with pipeline=2 and (expert|tensor)"
+                                          "=2.*use data or fsdp beside pipeline"):
+        build_setup(tiny_config(mesh, **MOE))
 
 
 def test_tensor_rule_overrides_are_refused_under_pipeline():

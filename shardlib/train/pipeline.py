@@ -14,14 +14,21 @@ stage's gradient accumulator in place, and runs only on backward ticks (``run_if
 the accumulator is the one stage-sized gradient buffer: a layer adds its sharded state
 and one gradient shard to the peak, as under plain FSDP.
 
-The batch axes (``data``, ``fsdp``) are manual too. With ``mesh.reshard_after_forward``
-(the default) a stage gathers its fsdp-split weights one layer at a time inside every
-forward and backward tick (``hooks.gather_weights``), so only one layer's whole weights
-and gradient are alive, at the price of gathering them once per microbatch:
+Every other axis acts inside a stage as in the plain step (``train.pipeline_stage``):
+``tensor`` runs Megatron TP/SP by hand (``parallel.tensor``, untyped: the step
+differentiates inside the map), ``sequence`` the local form of Ulysses or all-gather
+attention (``parallel.context``), each on this device's slice; an MoE stage adds its
+layers' share of the router losses. The batch axes (``data``, ``fsdp``) are manual too.
+
+With ``mesh.reshard_after_forward`` (the default) a stage gathers its fsdp-split weights
+one layer at a time inside every forward and backward tick (``hooks.gather_weights``), so
+only one layer's whole weights and gradient are alive, at the price of gathering them once
+per microbatch:
 ``3 M (F-1)/F P_stage`` bytes. Without it the stage gathers all its weights once per step
 (``2 (F-1)/F P_stage``) and holds them, and their whole gradient, for the step.
 Gradients are reduce-scattered over fsdp, all-reduced over data and, for the parameters
-replicated over ``pipeline``, summed over the stages.
+replicated over ``pipeline``, summed over the stages (and over ``sequence``, and over
+``tensor`` under sequence parallelism, for the parameters each device holds whole).
 """
 
 from __future__ import annotations
@@ -39,17 +46,17 @@ from jax.sharding import PartitionSpec
 from shardlib import hooks, precision
 from shardlib.config import Config
 from shardlib.errors import ConfigError
+from shardlib.models.moe import moe_objective
 from shardlib.parallel import context, fsdp, tensor
 from shardlib.sharding import make_rules
 from shardlib.train import comm
 from shardlib.train.pipeline_schedule import BWD, FWD, IDLE, SCHEDULES, Schedule, build
-from shardlib.train.pipeline_stage import Microbatch, Stage
+from shardlib.train.pipeline_stage import Microbatch, Parts, Stage
 from shardlib.train.setup import TrainSetup
 
 AXIS = "pipeline"
 BATCH_AXES = ("data", "fsdp")
 SEQ_AXIS = "sequence"  # context parallelism: the loss is a mean over its slices too
-UNSUPPORTED_AXES = ("expert",)
 
 
 def applies(sizes: Mapping[str, int]) -> bool:
@@ -97,13 +104,7 @@ def check_pipeline(config: Config, sizes: Mapping[str, int]) -> None:
 
 def _check_support(config: Config, sizes: Mapping[str, int]) -> None:
     """Raise on what the pipeline does not combine with (yet)."""
-    others = [f"{axis}={sizes[axis]}" for axis in UNSUPPORTED_AXES if sizes.get(axis, 1) > 1]
-    if others:
-        raise ConfigError(f"--mesh pipeline={sizes[AXIS]} with {', '.join(others)}: pipeline "
-                          "composes with data, fsdp, tensor and sequence only; set those axes to 1")
-    if config.model.num_experts:
-        raise ConfigError(f"model.num_experts={config.model.num_experts}: MoE models cannot "
-                          "be pipelined yet; use pipeline=1 or a dense model")
+    _check_moe(config, sizes)
     if not config.model.scan_layers:
         raise ConfigError("model.scan_layers=false: pipeline stages split the stacked "
                           "layers; set model.scan_layers=true")
@@ -113,6 +114,24 @@ def _check_support(config: Config, sizes: Mapping[str, int]) -> None:
                           "defaults or use pipeline=1")
     _check_tensor(config, sizes)
     _check_sequence(config, sizes)
+
+
+def _check_moe(config: Config, sizes: Mapping[str, int]) -> None:
+    """An MoE model pipelines beside the batch axes. Its expert all-to-all and its
+    experts' tensor split run in shard_maps of their own (``parallel.moe``, or XLA's
+    partitioner), which cannot sit inside the stages' shard_map; and its capacity is per
+    sequence, so a sequence split over ``sequence`` would route differently."""
+    if not config.model.num_experts:
+        return
+    others = [f"{axis}={sizes[axis]}" for axis in ("expert", "tensor", SEQ_AXIS)
+              if sizes.get(axis, 1) > 1]
+    if others:
+        raise ConfigError(
+            f"model.num_experts={config.model.num_experts} with pipeline={sizes[AXIS]} and "
+            f"{', '.join(others)}: inside a stage an MoE layer runs its experts whole on each "
+            "device (the expert all-to-all and the experts' tensor split run in a shard_map "
+            "of their own, which cannot nest in the stages'); set those axes to 1 and use "
+            "data or fsdp beside pipeline, or pipeline=1 for expert parallelism")
 
 
 def _check_sequence(config: Config, sizes: Mapping[str, int]) -> None:
@@ -188,9 +207,10 @@ def run_if(pred: jax.Array, body: Callable[[tuple], tuple], carry: tuple) -> tup
 
 def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params: nnx.State,
                  batch_mbt: Microbatch, dloss: jax.Array, act_shape: tuple[int, ...],
-                 dtype: jnp.dtype) -> tuple[jax.Array, nnx.State]:
-    """Inside shard_map: run the tick table; return (this stage's loss sum over its
-    microbatches, its parameter gradients for cotangent ``dloss`` per microbatch loss).
+                 dtype: jnp.dtype, parts: Parts) -> tuple[Parts, nnx.State]:
+    """Inside shard_map: run the tick table; return (this stage's loss parts summed over
+    its microbatches, starting from the zeros ``parts``; its parameter gradients for
+    cotangent ``dloss`` per microbatch objective).
     ``schedule`` gives the shapes (stages, slots), ``table_tpc`` the operations;
     ``batch_mbt`` holds every key of the batch split into microbatches, and
     ``act_shape`` is the (b, T, D) of an activation passed between stages."""
@@ -201,7 +221,7 @@ def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params:
     to_next, to_prev = [(s, s + 1) for s in range(p - 1)], [(s, s - 1) for s in range(1, p)]
 
     def tick(carry: tuple, table_pc: jax.Array) -> tuple[tuple, None]:
-        acts_kbtd, cots_kbtd, grads, loss = carry
+        acts_kbtd, cots_kbtd, grads, parts = carry
         op, m, a_read, a_recv, g_read, g_recv = (table_pc[me, i] for i in range(6))
         op = jnp.where(is_last & (op == FWD), IDLE, op)  # its backward recomputes it anyway
         x_btd, mb = acts_kbtd[a_read], {key: x_mbt[m] for key, x_mbt in batch_mbt.items()}
@@ -210,24 +230,24 @@ def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params:
             return stage.forward(params, x_btd, mb, is_first)
 
         def backward(carry: tuple) -> tuple:  # recompute the stage from its input, then back
-            _, grads, loss = carry
+            _, grads, parts = carry
             dy_btd = jnp.where(is_last, zeros_btd, cots_kbtd[g_read])
-            dx_btd, grads, loss_m = stage.backward(params, grads, x_btd, dy_btd, mb,
-                                                   is_first, is_last, dloss)
-            return dx_btd, grads, loss + loss_m
+            dx_btd, grads, parts_m = stage.backward(params, grads, x_btd, dy_btd, mb,
+                                                    is_first, is_last, dloss)
+            return dx_btd, grads, jax.tree.map(jnp.add, parts, parts_m)
 
         y_btd = jax.lax.cond(op == FWD, forward, lambda: zeros_btd)
-        dx_btd, grads, loss = run_if(op == BWD, backward, (zeros_btd, grads, loss))
+        dx_btd, grads, parts = run_if(op == BWD, backward, (zeros_btd, grads, parts))
         y_btd = jax.lax.ppermute(y_btd, AXIS, to_next)  # activations one stage on
         dx_btd = jax.lax.ppermute(dx_btd, AXIS, to_prev)  # cotangents one stage back
         return (acts_kbtd.at[a_recv].set(y_btd), cots_kbtd.at[g_recv].set(dx_btd), grads,
-                loss), None
+                parts), None
 
     init = (jnp.zeros((schedule.act_slots + 1, *act_shape), dtype),  # + scratch slot
             jnp.zeros((schedule.grad_slots + 1, *act_shape), dtype),
-            jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
-    (_, _, grads, loss), _ = jax.lax.scan(tick, init, table_tpc)
-    return loss, grads
+            jax.tree.map(jnp.zeros_like, params), parts)
+    (_, _, grads, parts), _ = jax.lax.scan(tick, init, table_tpc)
+    return parts, grads
 
 
 def _spec_axes(spec: PartitionSpec) -> set[str]:
@@ -311,17 +331,44 @@ def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Ar
     run by ``schedule`` (default: ``pipeline.schedule`` over ``pipeline.microbatches``).
     ``scale`` seeds the backward (fp16 loss scaling) and is divided out of the gradients.
     ``table_tpc`` (default: ``tables(schedule)``) may be traced."""
+    parts, grads = loss_parts_and_grads(setup, params, batch, scale, schedule, table_tpc)
+    return parts["loss"], grads
+
+
+def zero_parts(setup: TrainSetup) -> Parts:
+    """Zeros for the loss parts: ``loss`` and the router metrics an MoE model reports
+    (their names read from the model's own stats and ``moe_objective``)."""
+    parts = {"loss": jnp.zeros((), jnp.float32)}
+    cfg = setup.config.model
+    if not cfg.num_experts:
+        return parts
+    tokens = jax.ShapeDtypeStruct((1, setup.config.train.seq_len), jnp.int32)
+    stats = jax.eval_shape(lambda p, t: nnx.merge(setup.graphdef, p).forward(t)[1],
+                           setup.abstract_params, tokens)
+    metrics = jax.eval_shape(lambda s: moe_objective(cfg, s)[1], stats)
+    return {**parts, **{key: jnp.zeros(m.shape, jnp.float32) for key, m in metrics.items()}}
+
+
+def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Array],
+                         scale: jax.Array, schedule: Schedule | None = None,
+                         table_tpc: jax.Array | None = None) -> tuple[Parts, nnx.State]:
+    """``loss_and_grads`` with every loss part: the mean cross-entropy ``loss`` and, for
+    an MoE model, the router metrics (``moe_aux_loss`` ...), each summed over the stages
+    (a stage reports its layers' share) and averaged over the batch. The gradients are
+    those of the objective: cross-entropy plus the weighted router losses."""
     config, sizes = setup.config, setup.sizes
     schedule = schedule or build(config.pipeline.schedule, sizes[AXIS],
                                  resolve_microbatches(config, sizes))
     table_tpc = tables(schedule) if table_tpc is None else table_tpc
     per_layer = sizes.get("fsdp", 1) > 1 and config.mesh.reshard_after_forward
-    stage = Stage(setup.graphdef, setup.policy, config.model.remat, gathers=per_layer)
+    stage = Stage(setup.graphdef, setup.policy, config.model.remat, gathers=per_layer,
+                  moe=config.model if config.model.num_experts else None)
     specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
     count = schedule.microbatches
     shards = batch_shards(sizes) * sizes.get(SEQ_AXIS, 1)  # the loss is a mean over these
     gather = fsdp.weight_gatherer(setup.rules, sizes,
                                   lambda x: precision.cast_params(x, policy=setup.policy))
+    parts0 = zero_parts(setup)
 
     def local(params_shard: nnx.State, batch_shard: dict, scale: jax.Array,
               table_tpc: jax.Array) -> tuple:
@@ -330,7 +377,7 @@ def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Ar
                      for key, x_bt in with_positions(batch_shard, sizes).items()}
         shape = act_shape(config, sizes, batch_shard["inputs"].shape[0] // count)
         run = lambda p: run_schedule(stage, schedule, table_tpc, p, batch_mbt,  # noqa: E731
-                                     dloss, shape, setup.policy.compute)
+                                     dloss, shape, setup.policy.compute, parts0)
         with layer_strategies(config, sizes), contextlib.ExitStack() as stack:
             if per_layer:  # each tick gathers layer by layer; grads come back scattered
                 stack.enter_context(hooks.gathering_weights(gather,
@@ -338,16 +385,16 @@ def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Ar
             else:
                 params_shard = (fsdp.gather_params(params_shard, specs)
                                 if sizes.get("fsdp", 1) > 1 else params_shard)
-            loss, grads = run(params_shard)
+            parts, grads = run(params_shard)
         grads = reduce_grads(grads, specs, sizes, scattered=per_layer,
                              partial=partial_axes(config, sizes))
         unscale = lambda g: (g / scale.astype(g.dtype)).astype(g.dtype)
-        return jax.lax.psum(loss, (AXIS, *BATCH_AXES, SEQ_AXIS)) / (count * shards), \
-            jax.tree.map(unscale, grads)
+        total = lambda x: jax.lax.psum(x, (AXIS, *BATCH_AXES, SEQ_AXIS)) / (count * shards)  # noqa: E731
+        return jax.tree.map(total, parts), jax.tree.map(unscale, grads)
 
     batch_spec = setup.batch_sharding.spec
     return jax.shard_map(
         local, mesh=setup.mesh, check_vma=False,
         in_specs=(specs, {key: batch_spec for key in batch}, PartitionSpec(), PartitionSpec()),
-        out_specs=(PartitionSpec(), specs),
+        out_specs=(jax.tree.map(lambda _: PartitionSpec(), parts0), specs),
     )(params, batch, scale, jnp.asarray(table_tpc, jnp.int32))

@@ -12,7 +12,6 @@ position embedding through ``models.attention.packed_documents``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -20,13 +19,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlib import precision
+from shardlib.config import ModelConfig
 from shardlib.models.attention import packed_documents
 from shardlib.models.gpt import gather_outside_layers
-from shardlib.models.layers import layer_body, scan_layers
+from shardlib.models.layers import layer_body, remat, scan_layers
+from shardlib.models.moe import MoEStats, moe_objective, num_moe_layers, run_groups
 from shardlib.parallel import tensor
 
 # one microbatch: "inputs", "targets" (b, T) and, when packed, "segment_ids", "positions"
 Microbatch = dict[str, jax.Array]
+Parts = dict[str, jax.Array]  # scalar loss parts: "loss" and an MoE model's router metrics
 
 
 def split_blocks(state: nnx.State) -> tuple[nnx.State, nnx.State]:
@@ -55,6 +57,7 @@ class Stage:
     policy: precision.Policy
     remat: str
     gathers: bool = False  # weights arrive as fsdp shards; the gather hook casts them
+    moe: ModelConfig | None = None  # an MoE model's config: its layers return router stats
 
     def cast(self, params: nnx.State) -> nnx.State:
         """Parameters in the compute dtype (the gather hook casts when ``gathers``)."""
@@ -73,14 +76,28 @@ class Stage:
                 is_first,
                 lambda: model.embed_tokens(mb["inputs"], mb.get("positions")).astype(x_btd.dtype),
                 lambda: x_btd)
-            return scan_layers(model.blocks, x_btd, self.remat)
+            if self.moe is None:
+                return scan_layers(model.blocks, x_btd, self.remat)
+            return run_groups(model.blocks, x_btd, self.moe, remat)[0]
+
+    def objective(self, stats: MoEStats) -> tuple[jax.Array, Parts]:
+        """This stage's share of the router losses (``moe_objective`` is a mean over the
+        model's MoE layers, so a stage holding ``L_s`` of ``L`` adds ``L_s / L`` of it)
+        and of their metrics; nothing for a dense model."""
+        if self.moe is None:
+            return jnp.zeros((), jnp.float32), {}
+        share = jax.tree.leaves(stats)[0].shape[0] / num_moe_layers(self.moe)
+        penalty, metrics = moe_objective(self.moe, stats)
+        return penalty * share, {key: value * share for key, value in metrics.items()}
 
     def backward(self, params: nnx.State, grads: nnx.State, x_btd: jax.Array,
                  dy_btd: jax.Array, mb: Microbatch, is_first: jax.Array, is_last: jax.Array,
-                 dloss: jax.Array) -> tuple[jax.Array, nnx.State, jax.Array]:
+                 dloss: jax.Array) -> tuple[jax.Array, nnx.State, Parts]:
         """Recompute the stage from its input ``x_btd`` and run its backward for output
-        cotangent ``dy_btd`` (and ``dloss`` on the last stage's loss): (input cotangent,
-        ``grads`` plus this microbatch's gradients, the loss). Each layer's gradient is
+        cotangent ``dy_btd`` (and ``dloss`` on the last stage's loss and on this stage's
+        share of an MoE model's router losses): (input cotangent, ``grads`` plus this
+        microbatch's gradients, the loss parts: ``loss``, the cross-entropy on the last
+        stage, and this stage's share of the router metrics). Each layer's gradient is
         added into ``grads`` inside the reverse layer scan, in place, so no second
         stage-sized gradient is ever alive beside the accumulator."""
         with documents(mb):
@@ -88,7 +105,7 @@ class Stage:
 
     def _backward(self, params: nnx.State, grads: nnx.State, x_btd: jax.Array,
                   dy_btd: jax.Array, mb: Microbatch, is_first: jax.Array, is_last: jax.Array,
-                  dloss: jax.Array) -> tuple[jax.Array, nnx.State, jax.Array]:
+                  dloss: jax.Array) -> tuple[jax.Array, nnx.State, Parts]:
         blocks_p, rest_p = split_blocks(params)
         blocks_g, rest_g = split_blocks(grads)
         # the weights outside the layers: one FSDP unit, gathered once for both ends
@@ -108,28 +125,34 @@ class Stage:
             return jax.lax.cond(is_last, loss, lambda: jnp.zeros((), jnp.float32))
 
         body, _ = layer_body(outside(rest_w).blocks, self.remat)
-        layer = lambda x, raw: body(x, self.cast(raw))  # noqa: E731
 
-        def layer_forward(x_btd: jax.Array, raw: nnx.State) -> tuple[jax.Array, Callable]:
-            return jax.vjp(layer, x_btd, raw)  # the pullback's residuals stack over layers
+        def layer(x_btd: jax.Array, raw: nnx.State) -> tuple[jax.Array, MoEStats]:
+            out = body(x_btd, self.cast(raw))  # an MoE group also returns router stats
+            return out if isinstance(out, tuple) else (out, {})
+
+        def layer_forward(x_btd: jax.Array, raw: nnx.State) -> tuple[jax.Array, tuple]:
+            (y_btd, stats), pullback = jax.vjp(layer, x_btd, raw)
+            return y_btd, (pullback, stats)  # the pullback's residuals stack over layers
 
         x0_btd, front_vjp = jax.vjp(front, rest_w, x_btd)
-        y_btd, layer_vjps = jax.lax.scan(layer_forward, x0_btd, blocks_p)
+        y_btd, (layer_vjps, stats_l) = jax.lax.scan(layer_forward, x0_btd, blocks_p)
         loss, head_vjp = jax.vjp(head_loss, rest_w, y_btd)
         d_rest_head, dy_head_btd = head_vjp(dloss)
+        (_, metrics), objective_vjp = jax.vjp(self.objective, stats_l)
+        (dstats_l,) = objective_vjp((dloss, jax.tree.map(jnp.zeros_like, metrics)))
 
         def layer_backward(carry: tuple, inputs: tuple) -> tuple[tuple, None]:
             dy_btd, acc = carry
-            index, pullback = inputs
-            dx_btd, d_layer = pullback(dy_btd)
+            index, pullback, dstats = inputs
+            dx_btd, d_layer = pullback((dy_btd, dstats))
             acc = jax.tree.map(lambda a, g: a.at[index].add(g.astype(a.dtype)), acc, d_layer)
             return (dx_btd, acc), None
 
         count = jax.tree.leaves(blocks_p)[0].shape[0]
         (dx0_btd, blocks_g), _ = jax.lax.scan(
             layer_backward, (dy_btd + dy_head_btd.astype(dy_btd.dtype), blocks_g),
-            (jnp.arange(count), layer_vjps), reverse=True)
+            (jnp.arange(count), layer_vjps, dstats_l), reverse=True)
         d_rest_front, dx_btd = front_vjp(dx0_btd)
         (d_rest,) = gather_vjp(jax.tree.map(jnp.add, d_rest_front, d_rest_head))
         rest_g = jax.tree.map(lambda a, g: a + g.astype(a.dtype), rest_g, d_rest)
-        return dx_btd, join_blocks(blocks_g, rest_g), loss
+        return dx_btd, join_blocks(blocks_g, rest_g), {"loss": loss, **metrics}
