@@ -88,12 +88,15 @@ def test_pipelined_moe_matches_single_device():
 @pytest.mark.slow  # ~45 s on 2 busy cores: its own one-device reference
 def test_pipeline_takes_packed_batches():
     """Packed rows (``segment_ids``, ``positions``) through the stages, GQA, learned
-    positions and sequence parallelism: each document keeps to itself as on one device."""
+    positions, sequence parallelism and the chunked kernel (blocks of 8 in T=32) against
+    one device with the textbook kernel: each document keeps to itself."""
     batches = [packed_batch(seed=i) for i in range(3)]
     model = {"num_kv_heads": 2, "pos_embedding": "learned"}
     want = run_steps(tiny_config(MeshConfig(data=1), **model), 1, batches)
     mesh = MeshConfig(data=2, pipeline=2, tensor=2, sequence_parallel=True)
-    assert_like_one_device(run_steps(tiny_config(mesh, **model), 8, batches), want)
+    config = dataclasses.replace(tiny_config(mesh, **model),
+                                 attention=AttentionConfig(impl="chunked", chunk=8))
+    assert_like_one_device(run_steps(config, 8, batches), want)
 
 
 @pytest.mark.parametrize("mesh, changes, needle", [

@@ -46,12 +46,12 @@ from jax.sharding import PartitionSpec
 from shardlib import hooks, precision
 from shardlib.config import Config
 from shardlib.errors import ConfigError
-from shardlib.models.moe import moe_objective
+from shardlib.models.attention import using_kernel
 from shardlib.parallel import context, fsdp, tensor
 from shardlib.sharding import make_rules
 from shardlib.train import comm
 from shardlib.train.pipeline_schedule import BWD, FWD, IDLE, SCHEDULES, Schedule, build
-from shardlib.train.pipeline_stage import Microbatch, Parts, Stage
+from shardlib.train.pipeline_stage import Microbatch, Parts, Stage, zero_parts
 from shardlib.train.setup import TrainSetup
 
 AXIS = "pipeline"
@@ -314,8 +314,10 @@ def with_positions(batch: dict[str, jax.Array], sizes: Mapping[str, int]
 def layer_strategies(config: Config, sizes: Mapping[str, int]) -> contextlib.ExitStack:
     """The layer-level strategies active inside the stages, to enter while tracing:
     Megatron TP/SP over ``tensor`` (untyped: the step differentiates inside shard_map) and
-    the context-parallel attention over ``sequence``."""
+    the context-parallel attention over ``sequence``; the attention kernel
+    ``attention.impl``."""
     stack = contextlib.ExitStack()
+    stack.enter_context(using_kernel(config.attention.impl, config.attention.chunk))
     if sizes.get(SEQ_AXIS, 1) > 1:
         stack.enter_context(context.manual_context_parallel(config.attention.context_parallel))
     if sizes.get("tensor", 1) > 1:
@@ -333,20 +335,6 @@ def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Ar
     ``table_tpc`` (default: ``tables(schedule)``) may be traced."""
     parts, grads = loss_parts_and_grads(setup, params, batch, scale, schedule, table_tpc)
     return parts["loss"], grads
-
-
-def zero_parts(setup: TrainSetup) -> Parts:
-    """Zeros for the loss parts: ``loss`` and the router metrics an MoE model reports
-    (their names read from the model's own stats and ``moe_objective``)."""
-    parts = {"loss": jnp.zeros((), jnp.float32)}
-    cfg = setup.config.model
-    if not cfg.num_experts:
-        return parts
-    tokens = jax.ShapeDtypeStruct((1, setup.config.train.seq_len), jnp.int32)
-    stats = jax.eval_shape(lambda p, t: nnx.merge(setup.graphdef, p).forward(t)[1],
-                           setup.abstract_params, tokens)
-    metrics = jax.eval_shape(lambda s: moe_objective(cfg, s)[1], stats)
-    return {**parts, **{key: jnp.zeros(m.shape, jnp.float32) for key, m in metrics.items()}}
 
 
 def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Array],

@@ -25,6 +25,7 @@ from shardlib.models.gpt import gather_outside_layers
 from shardlib.models.layers import layer_body, remat, scan_layers
 from shardlib.models.moe import MoEStats, moe_objective, num_moe_layers, run_groups
 from shardlib.parallel import tensor
+from shardlib.train.setup import TrainSetup
 
 # one microbatch: "inputs", "targets" (b, T) and, when packed, "segment_ids", "positions"
 Microbatch = dict[str, jax.Array]
@@ -156,3 +157,17 @@ class Stage:
         (d_rest,) = gather_vjp(jax.tree.map(jnp.add, d_rest_front, d_rest_head))
         rest_g = jax.tree.map(lambda a, g: a + g.astype(a.dtype), rest_g, d_rest)
         return dx_btd, join_blocks(blocks_g, rest_g), {"loss": loss, **metrics}
+
+
+def zero_parts(setup: TrainSetup) -> Parts:
+    """Zeros for the loss parts: ``loss`` and the router metrics an MoE model reports
+    (their names read from the model's own stats and ``moe_objective``)."""
+    parts = {"loss": jnp.zeros((), jnp.float32)}
+    cfg = setup.config.model
+    if not cfg.num_experts:
+        return parts
+    tokens = jax.ShapeDtypeStruct((1, setup.config.train.seq_len), jnp.int32)
+    stats = jax.eval_shape(lambda p, t: nnx.merge(setup.graphdef, p).forward(t)[1],
+                           setup.abstract_params, tokens)
+    metrics = jax.eval_shape(lambda s: moe_objective(cfg, s)[1], stats)
+    return {**parts, **{key: jnp.zeros(m.shape, jnp.float32) for key, m in metrics.items()}}
