@@ -32,23 +32,44 @@ def tiny_config(mesh: MeshConfig, steps: int = 3, **model_changes) -> Config:
     )
 
 
-def run_steps(config: Config, num_devices: int = 8):
-    """Train ``config.train.steps`` steps; return (losses, host params by path, setup)."""
+def run_steps(config: Config, num_devices: int = 8, batches: list[dict] | None = None,
+              history: list[dict] | None = None):
+    """Train ``config.train.steps`` steps (on ``batches``, host arrays, if given; else the
+    config's data); return (losses, host params by path, setup). ``history``, if given,
+    receives each step's metrics as floats."""
     from shardlib.train.state import build_setup, init_state
     from shardlib.train.step import make_train_step
 
     setup = build_setup(config, jax.devices()[:num_devices])
     tc = config.train
-    batches, _ = data_lib.make_batches(tc.data, tc.batch_size, tc.seq_len, tc.seed)
+    source, _ = data_lib.make_batches(tc.data, tc.batch_size, tc.seq_len, tc.seed)
     state = init_state(setup, tc.seed)
     step = make_train_step(setup)
     losses = []
     for i in range(tc.steps):
-        state, metrics = step(state, data_lib.global_batch(batches, i, setup.batch_sharding))
+        batch = (data_lib.global_batch(source, i, setup.batch_sharding) if batches is None
+                 else {k: jax.device_put(v, setup.batch_sharding) for k, v in batches[i].items()})
+        state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
+        if history is not None:
+            history.append({key: float(value) for key, value in metrics.items()})
     params = {".".join(map(str, p)): np.asarray(v.get_value())
               for p, v in nnx.to_flat_state(state.params)}
     return np.array(losses), params, setup
+
+
+def packed_batch(b: int = 8, t: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
+    """A packed batch: random tokens, 1-3 documents per row, positions from 0 per document."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 256, (b, t + 1), dtype=np.int32)
+    seg, pos = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
+    for row in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, t), rng.integers(0, 3), replace=False))
+        bounds = [0, *cuts.tolist(), t]
+        for d, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            seg[row, lo:hi], pos[row, lo:hi] = d + 1, np.arange(hi - lo)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
+            "positions": pos}
 
 
 def relative_error(a: np.ndarray, b: np.ndarray) -> float:

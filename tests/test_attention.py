@@ -40,7 +40,7 @@ from shardlib.models.attention import (
 from shardlib.models.flash import chunked_attention, chunked_attention_with_lse
 from shardlib.train.state import build_setup, init_state
 from shardlib.train.step import loss_fn, make_train_step
-from tests.helpers import relative_error, tiny_config
+from tests.helpers import packed_batch, relative_error, tiny_config
 
 TOL = 1e-5  # the equivalence suites' tolerance
 KERNEL_TOL = dict(rtol=1e-5, atol=1e-6)  # fp32 kernels: summation order only
@@ -223,20 +223,6 @@ def test_bad_kernel_choice_is_a_config_error(attn, match):
     config = dataclasses.replace(tiny_config(MeshConfig(data=1)), attention=attn)
     with pytest.raises(ConfigError, match=match):
         build_setup(config, jax.devices()[:1])
-
-
-def packed_batch(b=8, t=32, seed=0):
-    """A packed batch: random tokens, 1-3 documents per row, positions from 0 per document."""
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, 256, (b, t + 1), dtype=np.int32)
-    seg, pos = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
-    for row in range(b):
-        cuts = np.sort(rng.choice(np.arange(1, t), rng.integers(0, 3), replace=False))
-        bounds = [0, *cuts.tolist(), t]
-        for d, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-            seg[row, lo:hi], pos[row, lo:hi] = d + 1, np.arange(hi - lo)
-    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
-            "positions": pos}
 
 
 def test_packed_document_logits_equal_document_alone():

@@ -309,7 +309,8 @@ def test_cli_selects_pipeline():
      r"pipeline.microbatches=2 < pipeline=4"),
     (MeshConfig(data=2, pipeline=4), {"microbatches": 5},
      "train.batch_size=32 does not split into pipeline.microbatches=5"),
-    (MeshConfig(data=1, tensor=2, pipeline=4), {}, "pipeline=4 with tensor=2"),
+    (MeshConfig(data=1, sequence=2, pipeline=4), {},
+     "context_parallel=none with pipeline=4 and sequence=2"),
     (MeshConfig(data=2, pipeline=4), {"schedule": "zb"}, "pipeline.schedule='zb'"),
     (MeshConfig(data=4, pipeline=2), {"virtual": 2},
      "pipeline.virtual_stages=2 with pipeline.schedule=1f1b: .* set pipeline.schedule="),
@@ -319,7 +320,6 @@ def test_cli_selects_pipeline():
                                       "microbatches": 3},
      "pipeline.microbatches=3 with the interleaved schedule and pipeline=2"),
     (MeshConfig(data=2, pipeline=4), {"scan_layers": False}, "model.scan_layers=false"),
-    (MeshConfig(data=2, pipeline=4), {"grad_accum": 2}, "train.grad_accum=2 with pipeline"),
     (MeshConfig(data=2, pipeline=4), {"grad_dtype": "bf16"}, "comm.* gradient options"),
 ])
 def test_errors_name_field_value_and_fix(mesh: MeshConfig, changes: dict, needle: str):

@@ -47,6 +47,8 @@ METHODS: tuple[str, ...] = ("none", "ring", "ulysses", "allgather")
 Stats = tuple[jax.Array, jax.Array]  # (o_bthk normalised, lse_bth): one block's rows, fp32
 
 _METHOD: contextvars.ContextVar[str] = contextvars.ContextVar("shardlib_cp", default="none")
+_MANUAL: contextvars.ContextVar[str | None] = contextvars.ContextVar("shardlib_cp_manual",
+                                                                    default=None)
 
 
 @contextlib.contextmanager
@@ -58,6 +60,19 @@ def context_parallel(method: str) -> Iterator[None]:
         yield
     finally:
         _METHOD.reset(token)
+
+
+@contextlib.contextmanager
+def manual_context_parallel(method: str) -> Iterator[None]:
+    """Within this block (while tracing inside a shard_map already manual over
+    ``sequence``, as the pipeline step's is) attention runs ``method``'s local form on
+    this device's slice of the sequence, with no shard_map of its own."""
+    check_method(method)
+    token = _MANUAL.set(None if method == "none" else method)
+    try:
+        yield
+    finally:
+        _MANUAL.reset(token)
 
 
 def check_method(method: str) -> None:
@@ -354,6 +369,10 @@ def attend(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array,
            local: Callable[..., jax.Array], *,
            segment_ids: jax.Array | None = None) -> jax.Array:
     """The model's attention hook: the active method's, or ``local`` when none is."""
+    manual = _MANUAL.get()
+    if manual is not None:  # already inside the step's shard_map: q, k, v are local
+        check_segments(manual, segment_ids)
+        return LOCAL[manual](q_bthk, k_bthk, v_bthk, causal=True, segment_ids=segment_ids)
     method = active_method()
     if method is None:
         return local(q_bthk, k_bthk, v_bthk)

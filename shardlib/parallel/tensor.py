@@ -45,16 +45,23 @@ SPLIT_DIMS = ("heads", "mlp", "vocab")  # the param dims the hooks expect split 
 EXPLICIT_AXES = ("data", "fsdp", AXIS)  # meshes with other axes > 1 keep XLA's automatic path
 
 _MODE: contextvars.ContextVar[str | None] = contextvars.ContextVar("shardlib_tp", default=None)
+_UNTYPED: contextvars.ContextVar[bool] = contextvars.ContextVar("shardlib_tp_untyped",
+                                                                default=False)
 
 
 @contextlib.contextmanager
-def manual_tensor(*, sequence_parallel: bool) -> Iterator[None]:
-    """Within this block (while tracing, inside shard_map) the hooks run Megatron TP/SP."""
-    token = _MODE.set("sp" if sequence_parallel else "tp")
+def manual_tensor(*, sequence_parallel: bool, typed: bool = True) -> Iterator[None]:
+    """Within this block (while tracing, inside shard_map) the hooks run Megatron TP/SP.
+
+    ``typed=False`` inside a shard_map with ``check_vma=False`` (the pipeline step, which
+    differentiates inside it): there ``psum`` transposes to ``psum`` and ``pcast`` to
+    nothing, so f and g carry Megatron's transposes explicitly (``custom_vjp``)."""
+    tokens = _MODE.set("sp" if sequence_parallel else "tp"), _UNTYPED.set(not typed)
     try:
         yield
     finally:
-        _MODE.reset(token)
+        _MODE.reset(tokens[0])
+        _UNTYPED.reset(tokens[1])
 
 
 def mode() -> str | None:
@@ -62,12 +69,36 @@ def mode() -> str | None:
     return _MODE.get()
 
 
+@jax.custom_vjp
+def _copy_to_tensor(x: jax.Array) -> jax.Array:
+    """f under TP, untyped: the identity forward, the input gradient summed over tensor."""
+    return x
+
+
+_copy_to_tensor.defvjp(lambda x: (x, None), lambda _, dx: (jax.lax.psum(dx, AXIS),))
+
+
+@jax.custom_vjp
+def _sum_over_tensor(y: jax.Array) -> jax.Array:
+    """g under TP, untyped: partial sums added over tensor; the gradient passes as is."""
+    return jax.lax.psum(y, AXIS)
+
+
+_sum_over_tensor.defvjp(lambda y: (jax.lax.psum(y, AXIS), None), lambda _, dy: (dy,))
+
+
+def _psum(y: jax.Array) -> jax.Array:
+    """``psum`` over tensor whose transpose is the identity (Megatron's g)."""
+    return _sum_over_tensor(y) if _UNTYPED.get() else jax.lax.psum(y, AXIS)
+
+
 # --- hooks the model calls -------------------------------------------------------------
 
 def enter_region(x_btd: jax.Array) -> jax.Array:
     """Megatron's f, before a column-parallel projection: (B, T/t | T, D) -> (B, T, D)."""
     if mode() == "tp":
-        return jax.lax.pcast(x_btd, AXIS, to="varying")
+        return _copy_to_tensor(x_btd) if _UNTYPED.get() else jax.lax.pcast(x_btd, AXIS,
+                                                                             to="varying")
     if mode() == "sp":
         return jax.lax.all_gather(x_btd, AXIS, axis=1, tiled=True)
     return x_btd
@@ -77,7 +108,7 @@ def exit_region(y_btd: jax.Array) -> jax.Array:
     """Megatron's g, after a row-parallel projection: partial (B, T, D) -> summed
     (B, T, D) under TP, (B, T/t, D) under SP. Add row-parallel biases after it."""
     if mode() == "tp":
-        return jax.lax.psum(y_btd, AXIS)
+        return _psum(y_btd)
     if mode() == "sp":
         return jax.lax.psum_scatter(y_btd, AXIS, scatter_dimension=1, tiled=True)
     return y_btd
@@ -109,10 +140,10 @@ def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
     # The loss does not depend on the shift m: stopping its gradient is exact.
     m_bt = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits_btv, axis=-1)), AXIS)
     shifted_btv = logits_btv - m_bt[..., None]
-    sum_exp_bt = jax.lax.psum(jnp.sum(jnp.exp(shifted_btv), axis=-1), AXIS)
+    sum_exp_bt = _psum(jnp.sum(jnp.exp(shifted_btv), axis=-1))
     local_bt, hit_bt = _local_ids(targets_bt, logits_btv.shape[-1])
     picked_bt = jnp.take_along_axis(shifted_btv, local_bt[..., None], axis=-1)[..., 0]
-    target_bt = jax.lax.psum(jnp.where(hit_bt, picked_bt, 0), AXIS)
+    target_bt = _psum(jnp.where(hit_bt, picked_bt, 0))
     return jnp.log(sum_exp_bt) - target_bt
 
 

@@ -19,51 +19,50 @@ recomputing the stage: the schedule trades that recompute for a third of 1F1B's 
 Under interleaved 1F1B each device runs ``V`` chunks of layers (``pipeline_chunks`` deals
 them from the stored layout each step) and activations go round the devices ``V`` times.
 
-The batch axes (``data``, ``fsdp``) are manual too. With ``mesh.reshard_after_forward``
-(the default) a stage gathers its fsdp-split weights one layer at a time inside every
-forward and backward tick (``hooks.gather_weights``), so only one layer's whole weights
-and gradient are alive, at the price of gathering them once per microbatch:
+Every other axis acts inside a stage as in the plain step (``train.pipeline_stage``):
+``tensor`` runs Megatron TP/SP by hand (``parallel.tensor``, untyped: the step
+differentiates inside the map), ``sequence`` the local form of Ulysses or all-gather
+attention (``parallel.context``), each on this device's slice; an MoE stage adds its
+layers' share of the router losses. The batch axes (``data``, ``fsdp``) are manual too.
+
+With ``mesh.reshard_after_forward`` (the default) a stage gathers its fsdp-split weights
+one layer at a time inside every forward and backward tick (``hooks.gather_weights``), so
+only one layer's whole weights and gradient are alive, at the price of gathering them once
+per microbatch:
 ``3 M (F-1)/F P_stage`` bytes. Without it the stage gathers all its weights once per step
 (``2 (F-1)/F P_stage``) and holds them, and their whole gradient, for the step.
 Gradients are reduce-scattered over fsdp, all-reduced over data and, for the parameters
-replicated over ``pipeline``, summed over the stages.
+replicated over ``pipeline``, summed over the stages (and over ``sequence``, and over
+``tensor`` under sequence parallelism, for the parameters each device holds whole).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
 from shardlib import hooks, precision
 from shardlib.config import Config
 from shardlib.errors import ConfigError
-from shardlib.models.gpt import gather_outside_layers
-from shardlib.models.layers import layer_body, scan_layers
-from shardlib.parallel import fsdp
+from shardlib.models.attention import using_kernel
+from shardlib.parallel import context, fsdp, tensor
+from shardlib.sharding import make_rules
 from shardlib.train import comm, pipeline_chunks
-from shardlib.train.pipeline_schedule import (
-    BWD,
-    FWD,
-    IDLE,
-    SCHEDULES,
-    WGT,
-    Schedule,
-    build,
-    check_virtual,
-)
+from shardlib.train import pipeline_schedule as ticks
+from shardlib.train.pipeline_schedule import BWD, FWD, IDLE, SCHEDULES, Schedule, build
+from shardlib.train.pipeline_stage import Microbatch, Parts, Stage, zero_parts
 from shardlib.train.setup import TrainSetup
 
 AXIS = "pipeline"
 BATCH_AXES = ("data", "fsdp")
-UNSUPPORTED_AXES = ("expert", "sequence", "tensor")
+SEQ_AXIS = "sequence"  # context parallelism: the loss is a mean over its slices too
 
 
 def applies(sizes: Mapping[str, int]) -> bool:
@@ -81,10 +80,16 @@ def resolve_microbatches(config: Config, sizes: Mapping[str, int]) -> int:
     per-device batch evenly; the stage count if none does (``check_pipeline`` then says so)."""
     if config.pipeline.microbatches:
         return config.pipeline.microbatches
-    stages, local = sizes.get(AXIS, 1), config.train.batch_size // batch_shards(sizes)
+    stages, local = sizes.get(AXIS, 1), accum_rows(config) // batch_shards(sizes)
     step = stages if config.pipeline.schedule == "interleaved" else 1  # groups of stages
     fits = [m for m in range(stages, 4 * stages + 1, step) if local % m == 0]
     return max(fits, default=stages)
+
+
+def accum_rows(config: Config) -> int:
+    """Rows of one pipeline flush: the batch, or one of ``train.grad_accum`` slices of it
+    (each runs the whole schedule, and the gradients add up)."""
+    return config.train.batch_size // max(config.train.grad_accum, 1)
 
 
 def check_pipeline(config: Config, sizes: Mapping[str, int]) -> None:
@@ -94,7 +99,7 @@ def check_pipeline(config: Config, sizes: Mapping[str, int]) -> None:
                           f"{', '.join(SCHEDULES)}")
     v = config.pipeline.virtual_stages
     if v != 1 and config.pipeline.schedule != "interleaved":
-        check_virtual(config.pipeline.schedule, sizes.get(AXIS, 1), 1, v)  # raises
+        ticks.check_virtual(config.pipeline.schedule, sizes.get(AXIS, 1), 1, v)  # raises
     if not applies(sizes):
         return
     p, model = sizes[AXIS], config.model
@@ -103,25 +108,15 @@ def check_pipeline(config: Config, sizes: Mapping[str, int]) -> None:
             f"model.num_layers={model.num_layers} is not divisible by pipeline={p}: every "
             f"stage needs the same number of layers; use num_layers a multiple of {p} or a "
             f"pipeline degree that divides {model.num_layers}")
-    if model.num_layers % (p * v):
-        raise ConfigError(
-            f"model.num_layers={model.num_layers} is not divisible by pipeline={p} x "
-            f"pipeline.virtual_stages={v}: every chunk needs the same number of layers; use "
-            f"num_layers a multiple of {p * v} or fewer virtual_stages")
     _check_support(config, sizes)
-    check_virtual(config.pipeline.schedule, p, resolve_microbatches(config, sizes), v)
+    ticks.check_virtual(config.pipeline.schedule, p, resolve_microbatches(config, sizes), v,
+                        model.num_layers)
     _check_microbatches(config, sizes)
 
 
 def _check_support(config: Config, sizes: Mapping[str, int]) -> None:
     """Raise on what the pipeline does not combine with (yet)."""
-    others = [f"{axis}={sizes[axis]}" for axis in UNSUPPORTED_AXES if sizes.get(axis, 1) > 1]
-    if others:
-        raise ConfigError(f"--mesh pipeline={sizes[AXIS]} with {', '.join(others)}: pipeline "
-                          "composes with data and fsdp only; set those axes to 1")
-    if config.model.num_experts:
-        raise ConfigError(f"model.num_experts={config.model.num_experts}: MoE models cannot "
-                          "be pipelined yet; use pipeline=1 or a dense model")
+    _check_moe(config, sizes)
     if not config.model.scan_layers:
         raise ConfigError("model.scan_layers=false: pipeline stages split the stacked "
                           "layers; set model.scan_layers=true")
@@ -129,116 +124,79 @@ def _check_support(config: Config, sizes: Mapping[str, int]) -> None:
         raise ConfigError("comm.* gradient options (compression, two-level reduction, DiLoCo, "
                           "policy) do not combine with pipeline yet; leave comm at its "
                           "defaults or use pipeline=1")
-    if config.train.grad_accum != 1:
-        raise ConfigError(f"train.grad_accum={config.train.grad_accum} with pipeline: the "
-                          "pipeline already splits the batch; use pipeline.microbatches")
+    _check_tensor(config, sizes)
+    _check_sequence(config, sizes)
+
+
+def _check_moe(config: Config, sizes: Mapping[str, int]) -> None:
+    """An MoE model pipelines beside the batch axes. Its expert all-to-all and its
+    experts' tensor split run in shard_maps of their own (``parallel.moe``, or XLA's
+    partitioner), which cannot sit inside the stages' shard_map; and its capacity is per
+    sequence, so a sequence split over ``sequence`` would route differently."""
+    if not config.model.num_experts:
+        return
+    others = [f"{axis}={sizes[axis]}" for axis in ("expert", "tensor", SEQ_AXIS)
+              if sizes.get(axis, 1) > 1]
+    if others:
+        raise ConfigError(
+            f"model.num_experts={config.model.num_experts} with pipeline={sizes[AXIS]} and "
+            f"{', '.join(others)}: inside a stage an MoE layer runs its experts whole on each "
+            "device (the expert all-to-all and the experts' tensor split run in a shard_map "
+            "of their own, which cannot nest in the stages'); set those axes to 1 and use "
+            "data or fsdp beside pipeline, or pipeline=1 for expert parallelism")
+
+
+def _check_sequence(config: Config, sizes: Mapping[str, int]) -> None:
+    """Inside a stage ``sequence`` runs a context-parallel method by hand: Ulysses or the
+    all-gather. Ring attention's K/V ``ppermute`` would run inside a stage's conditional
+    tick, and a collective-permute spans every stage's devices (XLA CPU's waits for all
+    of them: the step deadlocks), so it is refused."""
+    method, n = config.attention.context_parallel, sizes.get(SEQ_AXIS, 1)
+    if n > 1 and method in ("none", "ring"):
+        why = ("cannot leave attention to XLA's partitioner" if method == "none" else
+               "cannot pass K/V around a ring: its collective-permute would run inside "
+               "one stage's tick and wait for the devices of every stage")
+        raise ConfigError(
+            f"attention.context_parallel={method} with pipeline={sizes[AXIS]} and "
+            f"sequence={n}: the stages run attention by hand and {why}; set "
+            "attention.context_parallel=ulysses or allgather")
+
+
+def _check_tensor(config: Config, sizes: Mapping[str, int]) -> None:
+    """Inside a stage ``tensor`` runs Megatron TP/SP by hand (``parallel.tensor``): it
+    needs that layout's rules, and under SP a sequence that splits over tensor."""
+    t = sizes.get("tensor", 1)
+    if t == 1:
+        return
+    rest = {axis: n for axis, n in sizes.items() if axis not in (AXIS, "sequence")}
+    rules = {dim: axes for dim, axes in make_rules(config.mesh, sizes, config.rules).items()
+             if dim not in ("layers", "act_seq")}  # the stages' and context parallelism's
+    if config.mesh.sequence_parallel and config.train.seq_len % t:
+        raise ConfigError(f"train.seq_len={config.train.seq_len} with mesh.sequence_parallel "
+                          f"and tensor={t}: the sequence must split evenly over tensor; use "
+                          f"a seq_len that is a multiple of {t}")
+    if not tensor.applies(rest, rules, num_experts=config.model.num_experts,
+                          seq_len=config.train.seq_len,
+                          sequence_parallel=config.mesh.sequence_parallel):
+        raise ConfigError(f"--rule overrides with pipeline={sizes[AXIS]} and tensor={t}: the "
+                          "stages run Megatron TP by hand, which needs the preset tensor "
+                          "rules (heads, mlp, vocab over tensor; nothing else on tensor); "
+                          "drop the tensor --rule overrides")
 
 
 def _check_microbatches(config: Config, sizes: Mapping[str, int]) -> None:
     p, m = sizes[AXIS], resolve_microbatches(config, sizes)
-    shards, batch = batch_shards(sizes), config.train.batch_size
+    shards, accum = batch_shards(sizes), config.train.grad_accum
     if m < p:
         raise ConfigError(f"pipeline.microbatches={m} < pipeline={p}: stages would sit idle "
                           f"most of the step; use at least {p} (4 x {p} keeps the bubble "
                           "under 20%)")
-    if batch % (shards * m):
+    if accum_rows(config) % (shards * m):
+        per = f" / train.grad_accum={accum}" if accum > 1 else ""
         raise ConfigError(
-            f"train.batch_size={batch} does not split into pipeline.microbatches={m} on "
-            f"each of the {shards} data x fsdp shards; make batch_size a multiple of "
-            f"{shards * m} or change microbatches")
-
-
-def split_blocks(state: nnx.State) -> tuple[nnx.State, nnx.State]:
-    """(the stacked layers' part ``blocks``, everything else) of a model-shaped state."""
-    raw = state.raw_mapping
-    return state["blocks"], nnx.State({key: value for key, value in raw.items()
-                                       if key != "blocks"})
-
-
-def join_blocks(blocks: nnx.State, rest: nnx.State) -> nnx.State:
-    """Inverse of ``split_blocks``."""
-    return nnx.State({**rest.raw_mapping, "blocks": blocks.raw_mapping})
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One stage's computations on its (fsdp-gathered) parameters: embedding on the first
-    stage, the stage's layers, head and loss on the last."""
-
-    graphdef: nnx.GraphDef
-    policy: precision.Policy
-    remat: str
-    gathers: bool = False  # weights arrive as fsdp shards; the gather hook casts them
-
-    def cast(self, params: nnx.State) -> nnx.State:
-        """Parameters in the compute dtype (the gather hook casts when ``gathers``)."""
-        return params if self.gathers else precision.cast_params(params, policy=self.policy)
-
-    def model(self, params: nnx.State) -> nnx.Module:
-        return nnx.merge(self.graphdef, gather_outside_layers(self.cast(params)))
-
-    def forward(self, params: nnx.State, x_btd: jax.Array, tokens_bt: jax.Array,
-                is_first: jax.Array) -> jax.Array:
-        """The stage output (B, T, D); the first stage embeds ``tokens_bt`` instead of
-        reading ``x_btd``."""
-        model = self.model(params)
-        x_btd = jax.lax.cond(is_first, lambda: model.embed_tokens(tokens_bt).astype(x_btd.dtype),
-                             lambda: x_btd)
-        return scan_layers(model.blocks, x_btd, self.remat)
-
-    def backward(self, params: nnx.State, grads: nnx.State, x_btd: jax.Array,
-                 dy_btd: jax.Array, tokens_bt: jax.Array, targets_bt: jax.Array,
-                 is_first: jax.Array, is_last: jax.Array, dloss: jax.Array
-                 ) -> tuple[jax.Array, nnx.State, jax.Array]:
-        """Recompute the stage from its input ``x_btd`` and run its backward for output
-        cotangent ``dy_btd`` (and ``dloss`` on the last stage's loss): (input cotangent,
-        ``grads`` plus this microbatch's gradients, the loss). Each layer's gradient is
-        added into ``grads`` inside the reverse layer scan, in place, so no second
-        stage-sized gradient is ever alive beside the accumulator."""
-        blocks_p, rest_p = split_blocks(params)
-        blocks_g, rest_g = split_blocks(grads)
-        # the weights outside the layers: one FSDP unit, gathered once for both ends
-        rest_w, gather_vjp = jax.vjp(lambda r: gather_outside_layers(self.cast(r)), rest_p)
-        outside = lambda r: nnx.merge(self.graphdef, join_blocks(blocks_p, r))  # noqa: E731
-
-        def front(r: nnx.State, x_btd: jax.Array) -> jax.Array:
-            embed = lambda: outside(r).embed_tokens(tokens_bt).astype(x_btd.dtype)  # noqa: E731
-            return jax.lax.cond(is_first, embed, lambda: x_btd)
-
-        def head_loss(r: nnx.State, y_btd: jax.Array) -> jax.Array:
-            def loss() -> jax.Array:
-                logits_btv = outside(r).head(y_btd).astype(self.policy.output)
-                losses_bt = optax.softmax_cross_entropy_with_integer_labels(logits_btv,
-                                                                            targets_bt)
-                return jnp.mean(losses_bt).astype(jnp.float32)
-            return jax.lax.cond(is_last, loss, lambda: jnp.zeros((), jnp.float32))
-
-        body, _ = layer_body(outside(rest_w).blocks, self.remat)
-        layer = lambda x, raw: body(x, self.cast(raw))  # noqa: E731
-
-        def layer_forward(x_btd: jax.Array, raw: nnx.State) -> tuple[jax.Array, Callable]:
-            return jax.vjp(layer, x_btd, raw)  # the pullback's residuals stack over layers
-
-        x0_btd, front_vjp = jax.vjp(front, rest_w, x_btd)
-        y_btd, layer_vjps = jax.lax.scan(layer_forward, x0_btd, blocks_p)
-        loss, head_vjp = jax.vjp(head_loss, rest_w, y_btd)
-        d_rest_head, dy_head_btd = head_vjp(dloss)
-
-        def layer_backward(carry: tuple, inputs: tuple) -> tuple[tuple, None]:
-            dy_btd, acc = carry
-            index, pullback = inputs
-            dx_btd, d_layer = pullback(dy_btd)
-            acc = jax.tree.map(lambda a, g: a.at[index].add(g.astype(a.dtype)), acc, d_layer)
-            return (dx_btd, acc), None
-
-        count = jax.tree.leaves(blocks_p)[0].shape[0]
-        (dx0_btd, blocks_g), _ = jax.lax.scan(
-            layer_backward, (dy_btd + dy_head_btd.astype(dy_btd.dtype), blocks_g),
-            (jnp.arange(count), layer_vjps), reverse=True)
-        d_rest_front, dx_btd = front_vjp(dx0_btd)
-        (d_rest,) = gather_vjp(jax.tree.map(jnp.add, d_rest_front, d_rest_head))
-        rest_g = jax.tree.map(lambda a, g: a + g.astype(a.dtype), rest_g, d_rest)
-        return dx_btd, join_blocks(blocks_g, rest_g), loss
+            f"train.batch_size={config.train.batch_size}{per} does not split into "
+            f"pipeline.microbatches={m} on each of the {shards} data x fsdp shards; make "
+            f"batch_size a multiple of {shards * m * accum} or change microbatches")
 
 
 def tables(schedule: Schedule) -> np.ndarray:
@@ -260,99 +218,94 @@ def run_if(pred: jax.Array, body: Callable[[tuple], tuple], carry: tuple) -> tup
 
 
 def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params: nnx.State,
-                 inputs_mbt: jax.Array, targets_mbt: jax.Array, dloss: jax.Array,
-                 dtype: jnp.dtype, d_model: int) -> tuple[jax.Array, nnx.State]:
-    """Inside shard_map: run the tick table; return (this stage's loss sum over its
-    microbatches, its parameter gradients for cotangent ``dloss`` per microbatch loss).
+                 batch_mbt: Microbatch, dloss: jax.Array, act_shape: tuple[int, ...],
+                 dtype: jnp.dtype, parts: Parts) -> tuple[Parts, nnx.State]:
+    """Inside shard_map: run the tick table; return (this stage's loss parts summed over
+    its microbatches, starting from the zeros ``parts``; its parameter gradients for
+    cotangent ``dloss`` per microbatch objective).
     ``schedule`` gives the shapes (stages, slots, chunks) and whether B and W are split,
-    ``table_tpc`` the operations."""
+    ``table_tpc`` the operations; ``batch_mbt`` holds every key of the batch split into
+    microbatches, and ``act_shape`` is the (b, T, D) of an activation passed between
+    stages."""
     p, v, split = schedule.stages, schedule.virtual, schedule.split_backward
     me = jax.lax.axis_index(AXIS)
-    zeros_btd = jnp.zeros((*inputs_mbt.shape[1:], d_model), dtype)
+    zeros_btd = jnp.zeros(act_shape, dtype)
     ring = v > 1  # the last device's chunk c feeds the first device's chunk c + 1
     to_next = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
     to_prev = [(s, (s - 1) % p) for s in range(0 if ring else 1, p)]
-    if v > 1:  # each device's layers into its chunks (model stages c P + me)
-        blocks, rest = split_blocks(params)
-        params = join_blocks(pipeline_chunks.deal(blocks, p, v, AXIS), rest)
+    params = pipeline_chunks.deal(params, p, v, AXIS)  # chunk c: model stage c P + me
 
     def tick(carry: tuple, table_pc: jax.Array) -> tuple[tuple, None]:
-        acts_kbtd, cots_kbtd, grads, loss = carry
+        acts_kbtd, cots_kbtd, grads, parts = carry
         op, m, a_read, a_recv, g_read, g_recv, c = (table_pc[me, i] for i in range(7))
         is_first, is_last = (me == 0) & (c == 0), (me == p - 1) & (c == v - 1)
         op = jnp.where(is_last & (op == FWD), IDLE, op)  # its backward recomputes it anyway
-        x_btd, tokens_bt, targets_bt = acts_kbtd[a_read], inputs_mbt[m], targets_mbt[m]
-        params_c = _chunk_params(params, c, v)
+        x_btd, mb = acts_kbtd[a_read], {key: x_mbt[m] for key, x_mbt in batch_mbt.items()}
+        params_c = pipeline_chunks.chunk(params, c, v)
 
         def forward() -> jax.Array:
-            return stage.forward(params_c, x_btd, tokens_bt, is_first)
+            return stage.forward(params_c, x_btd, mb, is_first)
 
         def backward(carry: tuple, weights: bool = True, inputs: bool = True) -> tuple:
             """Recompute the stage from its input, then back: the input cotangent (B) and
             the weight gradients (W), both unless the schedule splits them."""
-            _, old_grads, loss = carry
+            _, old_grads, parts = carry
             dy_btd = jnp.where(is_last, zeros_btd, cots_kbtd[g_read])
-            dx_btd, grads_c, loss_m = stage.backward(
-                params_c, _chunk_params(old_grads, c, v), x_btd, dy_btd, tokens_bt,
-                targets_bt, is_first, is_last, dloss)
-            grads = _put_chunk_grads(old_grads, grads_c, c, v) if weights else old_grads
-            return (dx_btd if inputs else zeros_btd, grads, loss + loss_m if inputs else loss)
+            dx_btd, grads_c, parts_m = stage.backward(
+                params_c, pipeline_chunks.chunk(old_grads, c, v), x_btd, dy_btd, mb, is_first,
+                is_last, dloss)
+            grads = pipeline_chunks.put_chunk(old_grads, grads_c, c, v) if weights else old_grads
+            if not inputs:
+                return zeros_btd, grads, parts
+            return dx_btd, grads, jax.tree.map(jnp.add, parts, parts_m)
 
         y_btd = jax.lax.cond(op == FWD, forward, lambda: zeros_btd)
-        dx_btd, grads, loss = run_if(op == BWD, lambda st: backward(st, weights=not split),
-                                     (zeros_btd, grads, loss))
+        dx_btd, grads, parts = run_if(op == BWD, lambda st: backward(st, weights=not split),
+                                      (zeros_btd, grads, parts))
         if split:  # W: the weight half, its input cotangent unused (left to XLA to drop)
-            _, grads, _ = run_if(op == WGT, lambda st: backward(st, inputs=False),
-                                 (zeros_btd, grads, loss))
+            _, grads, _ = run_if(op == ticks.WGT, lambda st: backward(st, inputs=False),
+                                 (zeros_btd, grads, parts))
         y_btd = jax.lax.ppermute(y_btd, AXIS, to_next)  # activations one stage on
         dx_btd = jax.lax.ppermute(dx_btd, AXIS, to_prev)  # cotangents one stage back
         return (acts_kbtd.at[a_recv].set(y_btd), cots_kbtd.at[g_recv].set(dx_btd), grads,
-                loss), None
+                parts), None
 
-    init = (jnp.zeros((schedule.act_slots + 1, *zeros_btd.shape), dtype),  # + scratch slot
-            jnp.zeros((schedule.grad_slots + 1, *zeros_btd.shape), dtype),
-            jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
-    (_, _, grads, loss), _ = jax.lax.scan(tick, init, table_tpc)
-    if v > 1:  # the chunks' gradients back to the stored layout
-        blocks, rest = split_blocks(grads)
-        grads = join_blocks(pipeline_chunks.undeal(blocks, p, v, AXIS), rest)
-    return loss, grads
-
-
-def _chunk_params(params: nnx.State, c: jax.Array, virtual: int) -> nnx.State:
-    """The state with only chunk ``c`` of its (dealt) layers; itself when ``virtual`` 1."""
-    if virtual == 1:
-        return params
-    blocks, rest = split_blocks(params)
-    return join_blocks(pipeline_chunks.chunk(blocks, c, virtual), rest)
-
-
-def _put_chunk_grads(grads: nnx.State, grads_c: nnx.State, c: jax.Array,
-                     virtual: int) -> nnx.State:
-    """Inverse of ``_chunk_params`` for the gradient accumulator."""
-    if virtual == 1:
-        return grads_c
-    blocks, _ = split_blocks(grads)
-    blocks_c, rest_c = split_blocks(grads_c)
-    return join_blocks(pipeline_chunks.put_chunk(blocks, blocks_c, c), rest_c)
+    init = (jnp.zeros((schedule.act_slots + 1, *act_shape), dtype),  # + scratch slot
+            jnp.zeros((schedule.grad_slots + 1, *act_shape), dtype),
+            jax.tree.map(jnp.zeros_like, params), parts)
+    (_, _, grads, parts), _ = jax.lax.scan(tick, init, table_tpc)
+    return parts, pipeline_chunks.deal(grads, p, v, AXIS, inverse=True)
 
 
 def _spec_axes(spec: PartitionSpec) -> set[str]:
     return {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
 
 
+def partial_axes(config: Config, sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """Axes over which each device holds a partial gradient of a parameter that is not
+    split over them: the stages, the batch shards, ``sequence`` (each device holds a
+    slice of every sequence) and ``tensor`` under sequence parallelism (each device runs
+    the norms on its slice of the sequence)."""
+    sp = ("tensor",) if config.mesh.sequence_parallel else ()
+    return tuple(a for a in (AXIS, *BATCH_AXES, SEQ_AXIS, *sp) if sizes.get(a, 1) > 1)
+
+
 def reduce_grads(grads: nnx.State, specs: nnx.State, sizes: Mapping[str, int], *,
-                 scattered: bool = False) -> nnx.State:
+                 scattered: bool = False, partial: tuple[str, ...] | None = None
+                 ) -> nnx.State:
     """Per-device gradients of whole stage parameters -> gradients in the parameters'
     layout: reduce-scatter over fsdp (unless the per-layer gathers' backward already
-    did, ``scattered``), then sum over every other axis a parameter is replicated on
-    (data, and pipeline for embedding, final norm and head)."""
+    did, ``scattered``), then sum over every other axis of ``partial`` (default: the
+    stages and the batch axes) a parameter is replicated on (data, and pipeline for
+    embedding, final norm and head)."""
+    if partial is None:
+        partial = tuple(a for a in (AXIS, *BATCH_AXES) if sizes.get(a, 1) > 1)
 
     def reduce(g: jax.Array, spec: PartitionSpec) -> jax.Array:
         axes, dim = _spec_axes(spec), fsdp.gather_dim(spec)
         if dim is not None and sizes.get("fsdp", 1) > 1 and not scattered:
             g = jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim, tiled=True)
-        summed = tuple(a for a in (AXIS, *BATCH_AXES) if sizes.get(a, 1) > 1 and a not in axes)
+        summed = tuple(a for a in partial if a not in axes)
         return jax.lax.psum(g, summed) if summed else g
 
     return jax.tree.map(reduce, grads, specs)
@@ -363,6 +316,43 @@ def _split(x_bt: jax.Array, count: int) -> jax.Array:
     return x_bt.reshape(count, -1, x_bt.shape[1])
 
 
+def act_shape(config: Config, sizes: Mapping[str, int], rows: int) -> tuple[int, int, int]:
+    """(b, T, D) of one microbatch's activation on one device: T / sequence rows of the
+    sequence, and / tensor under Megatron sequence parallelism."""
+    seq = config.train.seq_len // sizes.get(SEQ_AXIS, 1)
+    if config.mesh.sequence_parallel:
+        seq //= sizes.get("tensor", 1)
+    return rows, seq, config.model.d_model
+
+
+def with_positions(batch: dict[str, jax.Array], sizes: Mapping[str, int]
+                   ) -> dict[str, jax.Array]:
+    """Inside shard_map: under context parallelism a device holds a slice of each row,
+    so without a packed batch's ``positions`` give it its slice's (for RoPE and the
+    learned table, which would otherwise count from 0)."""
+    if sizes.get(SEQ_AXIS, 1) == 1 or "positions" in batch:
+        return batch
+    rows, local = batch["inputs"].shape
+    start = jax.lax.axis_index(SEQ_AXIS) * local
+    positions_bt = jnp.broadcast_to(start + jnp.arange(local, dtype=jnp.int32), (rows, local))
+    return {**batch, "positions": positions_bt}
+
+
+def layer_strategies(config: Config, sizes: Mapping[str, int]) -> contextlib.ExitStack:
+    """The layer-level strategies active inside the stages, to enter while tracing:
+    Megatron TP/SP over ``tensor`` (untyped: the step differentiates inside shard_map) and
+    the context-parallel attention over ``sequence``; the attention kernel
+    ``attention.impl``."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(using_kernel(config.attention.impl, config.attention.chunk))
+    if sizes.get(SEQ_AXIS, 1) > 1:
+        stack.enter_context(context.manual_context_parallel(config.attention.context_parallel))
+    if sizes.get("tensor", 1) > 1:
+        stack.enter_context(tensor.manual_tensor(
+            sequence_parallel=config.mesh.sequence_parallel, typed=False))
+    return stack
+
+
 def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Array],
                    scale: jax.Array, schedule: Schedule | None = None,
                    table_tpc: jax.Array | None = None) -> tuple[jax.Array, nnx.State]:
@@ -370,39 +360,57 @@ def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Ar
     run by ``schedule`` (default: ``pipeline.schedule`` over ``pipeline.microbatches``).
     ``scale`` seeds the backward (fp16 loss scaling) and is divided out of the gradients.
     ``table_tpc`` (default: ``tables(schedule)``) may be traced."""
+    parts, grads = loss_parts_and_grads(setup, params, batch, scale, schedule, table_tpc)
+    return parts["loss"], grads
+
+
+def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Array],
+                         scale: jax.Array, schedule: Schedule | None = None,
+                         table_tpc: jax.Array | None = None) -> tuple[Parts, nnx.State]:
+    """``loss_and_grads`` with every loss part: the mean cross-entropy ``loss`` and, for
+    an MoE model, the router metrics (``moe_aux_loss`` ...), each summed over the stages
+    (a stage reports its layers' share) and averaged over the batch. The gradients are
+    those of the objective: cross-entropy plus the weighted router losses."""
     config, sizes = setup.config, setup.sizes
     schedule = schedule or build(config.pipeline.schedule, sizes[AXIS],
                                  resolve_microbatches(config, sizes),
                                  config.pipeline.virtual_stages)
     table_tpc = tables(schedule) if table_tpc is None else table_tpc
     per_layer = sizes.get("fsdp", 1) > 1 and config.mesh.reshard_after_forward
-    stage = Stage(setup.graphdef, setup.policy, config.model.remat, gathers=per_layer)
+    stage = Stage(setup.graphdef, setup.policy, config.model.remat, gathers=per_layer,
+                  moe=config.model if config.model.num_experts else None)
     specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
-    shards, count = batch_shards(sizes), schedule.microbatches
+    count = schedule.microbatches
+    shards = batch_shards(sizes) * sizes.get(SEQ_AXIS, 1)  # the loss is a mean over these
     gather = fsdp.weight_gatherer(setup.rules, sizes,
                                   lambda x: precision.cast_params(x, policy=setup.policy))
+    parts0 = zero_parts(setup)
 
     def local(params_shard: nnx.State, batch_shard: dict, scale: jax.Array,
               table_tpc: jax.Array) -> tuple:
         dloss = scale.astype(jnp.float32) / (count * shards)
-        run = lambda p: run_schedule(stage, schedule, table_tpc, p,  # noqa: E731
-                                     _split(batch_shard["inputs"], count),
-                                     _split(batch_shard["targets"], count), dloss,
-                                     setup.policy.compute, config.model.d_model)
-        if per_layer:  # each tick gathers layer by layer; grads come back scattered
-            with hooks.gathering_weights(gather, reshard_after_forward=True):
-                loss, grads = run(params_shard)
-        else:
-            loss, grads = run(fsdp.gather_params(params_shard, specs)
-                              if sizes.get("fsdp", 1) > 1 else params_shard)
-        grads = reduce_grads(grads, specs, sizes, scattered=per_layer)
+        batch_mbt = {key: _split(x_bt, count)
+                     for key, x_bt in with_positions(batch_shard, sizes).items()}
+        shape = act_shape(config, sizes, batch_shard["inputs"].shape[0] // count)
+        run = lambda p: run_schedule(stage, schedule, table_tpc, p, batch_mbt,  # noqa: E731
+                                     dloss, shape, setup.policy.compute, parts0)
+        with layer_strategies(config, sizes), contextlib.ExitStack() as stack:
+            if per_layer:  # each tick gathers layer by layer; grads come back scattered
+                stack.enter_context(hooks.gathering_weights(gather,
+                                                            reshard_after_forward=True))
+            else:
+                params_shard = (fsdp.gather_params(params_shard, specs)
+                                if sizes.get("fsdp", 1) > 1 else params_shard)
+            parts, grads = run(params_shard)
+        grads = reduce_grads(grads, specs, sizes, scattered=per_layer,
+                             partial=partial_axes(config, sizes))
         unscale = lambda g: (g / scale.astype(g.dtype)).astype(g.dtype)
-        return jax.lax.psum(loss, (AXIS, *BATCH_AXES)) / (count * shards), \
-            jax.tree.map(unscale, grads)
+        total = lambda x: jax.lax.psum(x, (AXIS, *BATCH_AXES, SEQ_AXIS)) / (count * shards)  # noqa: E731
+        return jax.tree.map(total, parts), jax.tree.map(unscale, grads)
 
     batch_spec = setup.batch_sharding.spec
     return jax.shard_map(
         local, mesh=setup.mesh, check_vma=False,
         in_specs=(specs, {key: batch_spec for key in batch}, PartitionSpec(), PartitionSpec()),
-        out_specs=(PartitionSpec(), specs),
+        out_specs=(jax.tree.map(lambda _: PartitionSpec(), parts0), specs),
     )(params, batch, scale, jnp.asarray(table_tpc, jnp.int32))

@@ -15,6 +15,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+
+from shardlib.train.pipeline_stage import join_blocks, split_blocks
 
 Plan = list[tuple[int, np.ndarray, np.ndarray]]  # (shift, send (P, K), receive (P, K))
 
@@ -58,27 +61,37 @@ def _move(x_ld: jax.Array, plan: Plan, me: jax.Array, virtual: int, axis: str) -
     return out_vl.reshape(x_ld.shape)
 
 
-def deal(blocks: object, stages: int, virtual: int, axis: str) -> object:
-    """Inside shard_map: this device's stored layers -> its chunks, chunk-major."""
-    plan, me = deal_plan(stages, virtual), jax.lax.axis_index(axis)
-    return jax.tree.map(lambda x: _move(x, plan, me, virtual, axis), blocks)
+def deal(state: nnx.State, stages: int, virtual: int, axis: str, *,
+         inverse: bool = False) -> nnx.State:
+    """Inside shard_map: a stage-shaped state with this device's stored layers -> with its
+    chunks, chunk-major (``inverse``: back, for the gradients); itself when ``virtual`` 1."""
+    if virtual == 1:
+        return state
+    plan, me = deal_plan(stages, virtual, inverse=inverse), jax.lax.axis_index(axis)
+    blocks, rest = split_blocks(state)
+    return join_blocks(jax.tree.map(lambda x: _move(x, plan, me, virtual, axis), blocks), rest)
 
 
-def undeal(blocks: object, stages: int, virtual: int, axis: str) -> object:
-    """Inverse of ``deal`` (for the gradients)."""
-    plan, me = deal_plan(stages, virtual, inverse=True), jax.lax.axis_index(axis)
-    return jax.tree.map(lambda x: _move(x, plan, me, virtual, axis), blocks)
+def chunk(state: nnx.State, c: jax.Array, virtual: int) -> nnx.State:
+    """The state with only chunk ``c`` (traced) of its dealt layers; itself when
+    ``virtual`` 1."""
+    if virtual == 1:
+        return state
 
-
-def chunk(blocks: object, c: jax.Array, virtual: int) -> object:
-    """Chunk ``c`` (traced) of dealt layers: Lc = stage layers / V of them."""
     def take(x: jax.Array) -> jax.Array:
         size = x.shape[0] // virtual
         return jax.lax.dynamic_slice_in_dim(x, c * size, size, axis=0)
-    return jax.tree.map(take, blocks)
+
+    blocks, rest = split_blocks(state)
+    return join_blocks(jax.tree.map(take, blocks), rest)
 
 
-def put_chunk(blocks: object, part: object, c: jax.Array) -> object:
-    """``blocks`` with chunk ``c`` replaced by ``part``."""
-    return jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(
-        x, y, c * y.shape[0], axis=0), blocks, part)
+def put_chunk(state: nnx.State, part: nnx.State, c: jax.Array, virtual: int) -> nnx.State:
+    """Inverse of ``chunk`` for the gradient accumulator: ``state``'s layers with chunk
+    ``c`` replaced by ``part``'s, and ``part``'s other entries."""
+    if virtual == 1:
+        return part
+    blocks, _ = split_blocks(state)
+    blocks_c, rest_c = split_blocks(part)
+    put = lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, c * y.shape[0], axis=0)
+    return join_blocks(jax.tree.map(put, blocks, blocks_c), rest_c)

@@ -249,14 +249,21 @@ def allocate(intervals: list[tuple[int, int, tuple[int, int]]]
     return slot_of, len(free_at)
 
 
-def check_virtual(schedule: str, stages: int, microbatches: int, virtual: int) -> None:
-    """Raise a ConfigError unless ``virtual`` chunks fit ``schedule``."""
+def check_virtual(schedule: str, stages: int, microbatches: int, virtual: int,
+                  num_layers: int = 0) -> None:
+    """Raise a ConfigError unless ``virtual`` chunks fit ``schedule`` (and, given, the
+    model's ``num_layers``)."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule={schedule!r}: use one of {', '.join(SCHEDULES)}")
     if virtual < 1 or (virtual > 1 and schedule != "interleaved"):
         raise ConfigError(f"pipeline.virtual_stages={virtual} with pipeline.schedule="
                           f"{schedule}: chunks per stage need the interleaved schedule; "
                           "set pipeline.schedule=interleaved or virtual_stages=1")
+    if num_layers % (stages * virtual):
+        raise ConfigError(
+            f"model.num_layers={num_layers} is not divisible by pipeline={stages} x "
+            f"pipeline.virtual_stages={virtual}: every chunk needs the same number of layers; "
+            f"use num_layers a multiple of {stages * virtual} or fewer virtual_stages")
     if schedule == "interleaved" and microbatches % stages:
         raise ConfigError(f"pipeline.microbatches={microbatches} with the interleaved "
                           f"schedule and pipeline={stages}: microbatches go round the "

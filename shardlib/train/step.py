@@ -15,7 +15,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlib import precision
-from shardlib.errors import ConfigError
 from shardlib.sharding import compiling_for
 from shardlib.train import comm, diloco, nonfinite, pipeline
 from shardlib.train.objective import (  # noqa: F401  (loss_fn, model_loss: public here too)
@@ -55,11 +54,8 @@ def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: Batch,
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
     pin = lambda g: jax.lax.with_sharding_constraint(g, setup.grad_shardings)
     if pipeline.applies(setup.sizes):  # GPipe / 1F1B over `pipeline` (train.pipeline)
-        if "segment_ids" in batch or "positions" in batch:
-            raise ConfigError("mesh.pipeline>1 does not take packed batches' segment_ids/"
-                              "positions yet; use a mesh without pipeline or unpacked rows")
-        loss, grads = pipeline.loss_and_grads(setup, params, batch, scale)
-        return loss, pin(grads), {"loss": loss}
+        parts, grads = pipeline_loss_and_grads(setup, params, batch, scale, count)
+        return parts["loss"], pin(grads), parts
     if count == 1:
         (loss, metrics), grads = grad_fn(params, batch)
     else:
@@ -79,6 +75,24 @@ def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: Batch,
     unscale = 1.0 / (scale * count)
     grads = pin(jax.tree.map(lambda g: g * unscale.astype(g.dtype), grads))
     return loss * unscale, grads, metrics
+
+
+def pipeline_loss_and_grads(setup: TrainSetup, params: nnx.State, batch: Batch,
+                            scale: jax.Array, count: int) -> tuple[Metrics, nnx.State]:
+    """``pipeline.loss_parts_and_grads`` over ``count`` (``train.grad_accum``) slices of
+    the batch, one after another (``lax.scan``): each slice runs the whole schedule, so a
+    stage holds one slice's activations; the means over slices are averaged."""
+    if count == 1:
+        return pipeline.loss_parts_and_grads(setup, params, batch, scale)
+    pin = lambda g: jax.lax.with_sharding_constraint(g, setup.grad_shardings)  # noqa: E731
+
+    def accumulate(carry: tuple, chunk: Batch) -> tuple[tuple, None]:
+        parts, grads = pipeline.loss_parts_and_grads(setup, params, chunk, scale)
+        return jax.tree.map(jnp.add, carry, (parts, pin(grads))), None
+
+    init = (pipeline.zero_parts(setup), pin(jax.tree.map(jnp.zeros_like, params)))
+    (parts, grads), _ = jax.lax.scan(accumulate, init, microbatches(setup, batch, count))
+    return jax.tree.map(lambda x: (x / count).astype(x.dtype), (parts, grads))
 
 
 def train_step(setup: TrainSetup, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:

@@ -1,0 +1,173 @@
+"""Pipeline parallelism composed with the other axes trains exactly like one device.
+
+The contract of ``test_equivalence.py`` (three fp32 AdamW steps of the tiny GPT: losses
+elementwise and every updated parameter within 1e-5 relative of one device) for meshes
+with ``pipeline=2`` beside ``tensor`` (Megatron TP and SP inside each stage),
+``sequence`` (Ulysses and all-gather context parallelism), MoE models (the router
+losses summed over the stages), packed batches and ``train.grad_accum``. The tiny
+model's two layers make one per stage.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from shardlib.config import AttentionConfig, Config, MeshConfig, PipelineConfig
+from shardlib.errors import ConfigError
+from shardlib.train.state import build_setup
+from tests.helpers import packed_batch, relative_error, run_steps, tiny_config
+
+TOL = 1e-5
+
+MESHES = {  # name: (mesh, attention.context_parallel)
+    "pipeline=2,tensor=2,data=2": (MeshConfig(data=2, pipeline=2, tensor=2), "none"),
+    "pipeline=2,tensor=2,fsdp=2,sp": (MeshConfig(data=1, fsdp=2, pipeline=2, tensor=2,
+                                                  sequence_parallel=True), "none"),
+    "pipeline=2,sequence=2,data=2,allgather": (MeshConfig(data=2, pipeline=2, sequence=2),
+                                               "allgather"),
+    "pipeline=2,sequence=2,tensor=2,sp,ulysses": (
+        MeshConfig(data=1, pipeline=2, sequence=2, tensor=2, sequence_parallel=True),
+        "ulysses"),
+}
+
+
+def assert_like_one_device(got: tuple, want: tuple) -> None:
+    """Losses elementwise and every parameter tensor (relative error in norm) within TOL."""
+    (losses, params, _), (ref_losses, ref_params, _) = got, want
+    np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
+    assert losses[-1] < losses[0]  # the steps really trained
+    errors = {path: relative_error(params[path], ref_params[path]) for path in ref_params}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOL, f"{worst}: relative error {errors[worst]:.2e}"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_steps(tiny_config(MeshConfig(data=1)), num_devices=1)
+
+
+@pytest.mark.parametrize("name", list(MESHES))
+def test_pipeline_composition_matches_single_device(name, reference):
+    """Megatron TP (and SP: stages pass T/t rows) inside each stage, f and g written with
+    their transposes since the pipeline differentiates inside its shard_map; context
+    parallelism's local attention on each device's T/s slice of the sequence."""
+    mesh, method = MESHES[name]
+    config = dataclasses.replace(tiny_config(mesh),
+                                 attention=AttentionConfig(context_parallel=method))
+    got = run_steps(config)
+    assert dict(got[2].mesh.shape)["pipeline"] == 2 and got[2].mesh.devices.size == 8
+    assert_like_one_device(got, reference)
+
+
+def test_pipeline_with_grad_accum_matches_single_device(reference):
+    """``train.grad_accum=2``: two pipeline flushes per step, their gradients averaged."""
+    config = tiny_config(MeshConfig(data=2, pipeline=2, tensor=2))
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, grad_accum=2))
+    assert_like_one_device(run_steps(config), reference)
+
+
+def scheduled(config: Config, schedule: str, virtual: int = 1) -> Config:
+    """``config`` under ``schedule`` with ``virtual`` chunks per stage, Ulysses attention."""
+    return dataclasses.replace(config, attention=AttentionConfig(context_parallel="ulysses"),
+                               pipeline=PipelineConfig(schedule=schedule,
+                                                       virtual_stages=virtual))
+
+
+SP_ULYSSES = MeshConfig(data=1, pipeline=2, sequence=2, tensor=2, sequence_parallel=True)
+
+
+def test_zero_bubble_composes_with_tensor_and_sequence(reference):
+    """ZB-H1's split B and W ops through stages that run Megatron TP + SP and Ulysses."""
+    assert_like_one_device(run_steps(scheduled(tiny_config(SP_ULYSSES), "zb-h1")), reference)
+
+
+@pytest.mark.slow  # its own 4-layer one-device reference
+def test_interleaved_composes_with_tensor_and_sequence():
+    """Interleaved 1F1B (2 chunks of one layer per device) with TP + SP and Ulysses."""
+    want = run_steps(tiny_config(MeshConfig(data=1), num_layers=4), 1)
+    config = scheduled(tiny_config(SP_ULYSSES, num_layers=4), "interleaved", 2)
+    assert_like_one_device(run_steps(config), want)
+
+
+MOE = {"num_experts": 4, "moe_every": 1, "moe_top_k": 2, "moe_z_weight": 0.01}
+
+
+@pytest.mark.slow  # ~60 s on 2 busy cores: its own one-device MoE reference
+def test_pipelined_moe_matches_single_device():
+    """An MoE layer per stage: each stage adds its layers' share of the router losses
+    (mean over the model's MoE layers) to the objective it differentiates, so the router
+    weights, the losses and the summed router metrics match one device."""
+    want_history, got_history = [], []
+    want = run_steps(tiny_config(MeshConfig(data=1), **MOE), 1, history=want_history)
+    got = run_steps(tiny_config(MeshConfig(data=2, fsdp=2, pipeline=2), **MOE),
+                    history=got_history)
+    assert_like_one_device(got, want)
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped_frac"):
+        np.testing.assert_allclose([h[key] for h in got_history],
+                                   [h[key] for h in want_history], rtol=TOL, err_msg=key)
+
+
+@pytest.mark.slow  # ~60 s: its own 4-layer one-device MoE reference
+def test_interleaved_moe_matches_single_device():
+    """Interleaved 1F1B over 4 MoE layers (one per chunk): each chunk adds its layers'
+    share of the router losses."""
+    moe = {**MOE, "num_layers": 4}
+    want = run_steps(tiny_config(MeshConfig(data=1), **moe), 1)
+    config = tiny_config(MeshConfig(data=2, fsdp=2, pipeline=2), **moe)
+    config = dataclasses.replace(config, pipeline=PipelineConfig(schedule="interleaved",
+                                                                  virtual_stages=2))
+    assert_like_one_device(run_steps(config), want)
+
+
+@pytest.mark.slow  # ~45 s on 2 busy cores: its own one-device reference
+def test_pipeline_takes_packed_batches():
+    """Packed rows (``segment_ids``, ``positions``) through the stages, GQA, learned
+    positions, sequence parallelism and the chunked kernel (blocks of 8 in T=32) against
+    one device with the textbook kernel: each document keeps to itself."""
+    batches = [packed_batch(seed=i) for i in range(3)]
+    model = {"num_kv_heads": 2, "pos_embedding": "learned"}
+    want = run_steps(tiny_config(MeshConfig(data=1), **model), 1, batches)
+    mesh = MeshConfig(data=2, pipeline=2, tensor=2, sequence_parallel=True)
+    config = dataclasses.replace(tiny_config(mesh, **model),
+                                 attention=AttentionConfig(impl="chunked", chunk=8))
+    assert_like_one_device(run_steps(config, 8, batches), want)
+
+
+@pytest.mark.parametrize("mesh, changes, needle", [
+    (MeshConfig(data=2, tensor=2, pipeline=2, sequence_parallel=True), {"seq_len": 31},
+     "train.seq_len=31 with mesh.sequence_parallel and tensor=2"),
+    (MeshConfig(data=4, pipeline=2), {"grad_accum": 2},
+     r"train.batch_size=8 / train.grad_accum=2 does not split"),
+])
+def test_pipeline_composition_errors_name_the_fix(mesh, changes, needle):
+    config = tiny_config(mesh)
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, **changes))
+    with pytest.raises(ConfigError, match=needle):
+        build_setup(config)
+
+
+@pytest.mark.parametrize("method", ["none", "ring"])
+def test_pipeline_refuses_ring_and_partitioner_attention(method):
+    config = dataclasses.replace(tiny_config(MeshConfig(data=2, pipeline=2, sequence=2)),
+                                 attention=AttentionConfig(context_parallel=method))
+    with pytest.raises(ConfigError, match=f"context_parallel={method} with pipeline=2 and "
+                                          "sequence=2.*ulysses or allgather"):
+        build_setup(config)
+
+
+@pytest.mark.parametrize("mesh", [MeshConfig(data=2, pipeline=2, expert=2),
+                                  MeshConfig(data=2, pipeline=2, tensor=2)])
+def test_pipelined_moe_refuses_expert_and_tensor(mesh):
+    with pytest.raises(ConfigError, match="num_experts=4 with pipeline=2 and (expert|tensor)"
+                                          "=2.*use data or fsdp beside pipeline"):
+        build_setup(tiny_config(mesh, **MOE))
+
+
+def test_tensor_rule_overrides_are_refused_under_pipeline():
+    config = dataclasses.replace(tiny_config(MeshConfig(data=2, pipeline=2, tensor=2)),
+                                 rules=(("embed", ("tensor",)), ("heads", ())))
+    with pytest.raises(ConfigError, match="preset tensor rules"):
+        build_setup(config)
+
+
