@@ -22,7 +22,7 @@ from shardlib.config import MeshConfig, ModelConfig
 from shardlib.errors import ConfigError
 from shardlib.models import GPT, count_params
 from shardlib.models.layers import ACTIVATIONS
-from shardlib.models.moe import MoEMLP, balance, moe_objective, num_moe_layers
+from shardlib.models.moe import LOAD_METRIC, MoEMLP, balance, moe_objective, num_moe_layers
 from shardlib.models.router import choose, normalises
 from shardlib.train.state import build_setup, init_state
 from shardlib.train.step import make_train_step
@@ -171,6 +171,22 @@ def test_first_dense_layers_and_counts(scan):
     logits, stats = model.forward(jnp.zeros((2, 8), jnp.int32))
     assert logits.shape == (2, 8, cfg.vocab_size) and stats["load_e"].shape == (1, 4)
     assert count_params(cfg) == param_counts(cfg).total
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_balance_moves_each_layers_bias_by_its_own_load(scan):
+    cfg = dataclasses.replace(tiny_config(MeshConfig()).model, num_layers=3, num_experts=4,
+                              moe_first_dense=1, moe_bias_rate=0.5, scan_layers=scan)
+    params = nnx.state(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+    params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), params)
+    load_le = jnp.array([[0.4, 0.3, 0.2, 0.1], [0.1, 0.25, 0.25, 0.4]])
+    moved, metrics = balance(cfg, params, {"loss": jnp.ones(()), LOAD_METRIC: load_le})
+    assert sorted(metrics) == ["loss", "moe_load_max"]
+    np.testing.assert_allclose(metrics["moe_load_max"], (0.4 + 0.4) / 2 * 4)
+    biases = [np.asarray(v.get_value()) for p, v in nnx.to_flat_state(moved)
+              if p[-1] == "router_bias_e"]
+    got = np.concatenate([b.reshape(-1, 4) for b in biases])  # layers in order
+    np.testing.assert_array_equal(got, [[-0.5, -0.5, 0.5, 0.5], [0.5, 0, 0, -0.5]])
 
 
 def test_param_counts_with_every_option():
