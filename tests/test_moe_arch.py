@@ -295,3 +295,13 @@ def test_router_bias_survives_checkpoint_onto_another_mesh(arch_reference, tmp_p
     for path, value in params.items():
         assert relative_error(value, ref_params[path]) < TOL, path
     np.testing.assert_array_equal(bias_of(params), bias_of(ref_params))
+
+
+def test_planner_refuses_tensor_splits_of_expert_widths():
+    from shardlib.planner.space import mesh_problem
+
+    config = tiny_config(MeshConfig(), num_experts=8, moe_d_ff=30, moe_shared_d_ff=36)
+    assert "moe_d_ff)=30" in mesh_problem(config, {"tensor": 4})
+    config = tiny_config(MeshConfig(), num_experts=8, moe_d_ff=32, moe_shared_d_ff=34)
+    assert "shared expert's mlp=34" in mesh_problem(config, {"tensor": 4})
+    assert mesh_problem(config, {"tensor": 2}) is None
