@@ -305,3 +305,15 @@ def test_planner_refuses_tensor_splits_of_expert_widths():
     config = tiny_config(MeshConfig(), num_experts=8, moe_d_ff=32, moe_shared_d_ff=34)
     assert "shared expert's mlp=34" in mesh_problem(config, {"tensor": 4})
     assert mesh_problem(config, {"tensor": 2}) is None
+
+
+def test_bf16_compute_keeps_the_router_bias_in_fp32():
+    from shardlib.config import PrecisionConfig
+    from shardlib.precision import cast_params, resolve
+
+    cfg = dataclasses.replace(LAYER, moe_bias_rate=0.01)
+    state = nnx.state(MoEMLP(cfg, std=0.3, out_std=0.3, rngs=nnx.Rngs(0)))
+    cast = cast_params(state, resolve(PrecisionConfig(policy="bf16"), "cpu"))
+    dtypes = {".".join(map(str, p)): v.get_value().dtype for p, v in nnx.to_flat_state(cast)}
+    assert dtypes.pop("router_bias_e") == jnp.float32  # sign steps of rate stay visible
+    assert set(dtypes.values()) == {jnp.dtype(jnp.bfloat16)}, dtypes
