@@ -64,7 +64,8 @@ class ModelConfig:
     # Mixture of experts (shardlib.models.moe): 0 experts = dense MLP in every layer.
     num_experts: int = 0  # experts per MoE layer (at most 256), each an MLP as model.mlp
     moe_top_k: int = 2  # experts per token, 1..8: 1 (Switch), 2 (GShard), 8 (DeepSeek-V3)
-    moe_every: int = 1  # every k-th MoE-part layer is MoE; must divide num_layers - first_dense
+    # after the first dense layers every k-th layer is MoE; divides num_layers - moe_first_dense
+    moe_every: int = 1
     moe_d_ff: int = 0  # each expert's hidden width (fine-grained experts); 0 = d_ff
     moe_shared_d_ff: int = 0  # hidden width of one always-applied shared expert; 0 = none
     moe_shared_gate: bool = False  # shared expert's output x sigmoid(x w) (Qwen2-MoE)
