@@ -77,6 +77,7 @@ class ModelConfig:
     bias: bool = False  # biases in every projection and LayerNorm (GPT-2)
     num_kv_heads: int = 0  # grouped-query attention: K/V heads (0 = num_heads, i.e. MHA)
     qkv_bias: bool = False  # biases on q/k/v only (Qwen2); model.bias covers every projection
+    qk_norm: bool = False  # RMSNorm over each q and k head (head_dim) before RoPE (Qwen3)
     # RoPE frequency scaling (Llama 3.x "rope_type": "llama3"); "" = none
     rope_scaling: str = ""
     rope_factor: float = 1.0  # llama3: long wavelengths divided by this
