@@ -65,7 +65,6 @@ def check_architecture(cfg: ModelConfig) -> None:
     if cfg.num_kv_heads < 0 or cfg.num_heads % cfg.kv_heads:
         raise ConfigError(f"model.num_kv_heads={cfg.num_kv_heads} must divide model.num_heads="
                           f"{cfg.num_heads} (0 = num_heads)")
-    plain = (cfg.mlp, cfg.activation, cfg.bias) == ("plain", "gelu_tanh", False)
-    if cfg.num_experts and not plain:
-        raise ConfigError("model.num_experts > 0: MoE experts are plain GELU MLPs without bias;"
-                          " keep model.mlp=plain, model.activation=gelu_tanh, model.bias=false")
+    if cfg.num_experts and cfg.bias:
+        raise ConfigError("model.num_experts > 0: MoE experts have no biases; keep "
+                          "model.bias=false")
