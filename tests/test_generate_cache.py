@@ -30,15 +30,20 @@ def one_device_model(**changes) -> GPT:
     return nnx.merge(graphdef, jax.jit(lambda: nnx.state(GPT(cfg, rngs=nnx.Rngs(0))))())
 
 
-# MoE: 4 experts, top-2, every 2nd layer; capacity factor E / k = 2 gives every token a
-# slot, so the prefill (8 tokens) routes as the full forward (12) does
-MOE = dict(num_experts=4, moe_top_k=2, moe_every=2, moe_capacity_factor=2.0)
+# MoE (slow: ~20-30 s each here; the Hugging Face MoE generate tests cover it fast): 4
+# gated experts, top-2, a gated shared expert, every 2nd layer (then also after 2 dense
+# layers, unscanned); capacity factor E / k = 2 gives every token a slot, so the prefill
+# (8 tokens) routes as the full forward (12) does
+MOE = dict(num_experts=4, moe_top_k=2, moe_every=2, moe_capacity_factor=2.0, mlp="gated",
+           activation="silu", moe_shared_d_ff=32, moe_shared_gate=True)
 
 
 @pytest.mark.parametrize("changes", [{}, dict(pos_embedding="learned", scan_layers=False,
                                              norm="layer", bias=True, num_kv_heads=0),
-                                     MOE, pytest.param(dict(MOE, scan_layers=False),
-                                                       marks=pytest.mark.slow)])
+                                     pytest.param(MOE, marks=pytest.mark.slow),
+                                     pytest.param(dict(MOE, scan_layers=False,
+                                                       moe_first_dense=2, num_layers=4),
+                                                  marks=pytest.mark.slow)])
 def test_cached_logits_equal_the_full_forward(changes):
     """Prefill 8 tokens, then 4 one-token steps: every logit equals model(all 12)."""
     model = one_device_model(**changes)

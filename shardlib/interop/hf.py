@@ -51,7 +51,9 @@ _ARCH_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "kv_heads", 
                 "pos_embedding", "norm", "norm_eps", "mlp", "activation", "bias",
                 "tie_embeddings", "rope_theta", "qkv_bias", "qk_norm", "rope_scaling",
                 "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                "rope_original_max_len")
+                "rope_original_max_len", "num_experts", "moe_top_k", "moe_every", "moe_d_ff",
+                "moe_shared_d_ff", "moe_shared_gate", "moe_score", "moe_norm_topk",
+                "moe_route_scale", "moe_first_dense")
 
 
 # --- reading ---------------------------------------------------------------------------

@@ -22,10 +22,11 @@ import numpy as np
 
 from shardlib.config import ModelConfig
 from shardlib.errors import ConfigError
-from shardlib.interop.hf_links import Link, reshaped, same, transposed
+from shardlib.interop.hf_links import Link, gated_mlp_links, placed, reshaped, same, transposed
+from shardlib.interop.hf_moe import MOE_KINDS, expert_links, moe_fields, moe_hf_config, moe_kind
 
 SUPPORTED = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
-             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", **MOE_KINDS}
 # Architectures refused with the reason (the generic message names what is supported).
 REFUSED = {kind: "multi-head latent attention (MLA: low-rank compressed K/V with a decoupled "
                  "RoPE head), which shardlib's attention does not compute"
@@ -128,7 +129,8 @@ def _llama_config(hf: dict[str, Any], where: str) -> ModelConfig:
     act = hf.get("hidden_act", "silu")
     if _FROM_HF_ACT.get(act) is None:
         raise _unsupported(where, "hidden_act", act, sorted(_FROM_HF_ACT))
-    return ModelConfig(
+    moe = moe_fields(hf, where) if kind in MOE_KINDS else {}
+    return ModelConfig(**moe,
         name=f"hf-{kind}", vocab_size=hf["vocab_size"], d_model=d_model,
         num_layers=hf["num_hidden_layers"], num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads, d_ff=hf["intermediate_size"],
@@ -147,14 +149,17 @@ def family(cfg: ModelConfig) -> str:
     gpt2 = (cfg.pos_embedding, cfg.norm, cfg.mlp, cfg.bias, cfg.kv_heads, cfg.qk_norm) == (
         "learned", "layer", "plain", True, cfg.num_heads, False)
     llama = (cfg.pos_embedding, cfg.norm, cfg.mlp) == ("rope", "rms", "gated")
-    if cfg.num_experts or not (gpt2 or llama):
+    if not (gpt2 and not cfg.num_experts or llama):
         raise ConfigError(
             f"model {cfg.name!r} (pos_embedding={cfg.pos_embedding}, norm={cfg.norm}, "
             f"mlp={cfg.mlp}, bias={cfg.bias}, num_kv_heads={cfg.num_kv_heads}, num_experts="
-            f"{cfg.num_experts}) is neither GPT-2 (learned, layer, plain, bias=true, MHA) nor "
-            "Llama (rope, rms, gated); only those two have a Hugging Face layout")
+            f"{cfg.num_experts}) is neither GPT-2 (learned, layer, plain, bias=true, MHA, "
+            "dense) nor Llama (rope, rms, gated, dense or MoE); only those have a Hugging "
+            "Face layout")
     if gpt2:
         return "gpt2"
+    if cfg.num_experts:
+        return moe_kind(cfg)
     if cfg.qk_norm:
         if cfg.qkv_bias and not cfg.bias:
             raise ConfigError("model.qk_norm=true with model.qkv_bias=true: no Hugging Face "
@@ -184,7 +189,7 @@ def to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
            "rope_parameters": _rope_parameters(cfg)}
     if kind != "llama":  # the Qwens: full attention in every layer
         out.update(use_sliding_window=False, sliding_window=None)
-    return out
+    return {**out, **(moe_hf_config(cfg, kind) if kind in MOE_KINDS else {})}
 
 
 def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
@@ -200,9 +205,11 @@ def _rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
 # --- tensors ---------------------------------------------------------------------------
 
 def layer_groups(cfg: ModelConfig) -> int:
-    """How many layer groups shardlib stacks: one per layer, or per ``moe_every`` layers
-    in a mixture of experts (``models.moe.num_moe_layers``)."""
-    return cfg.num_layers // cfg.moe_every if cfg.num_experts else cfg.num_layers
+    """How many layer groups shardlib stacks in ``blocks``: one per layer, or per
+    ``moe_every`` layers in a mixture of experts (``models.moe.num_moe_layers``)."""
+    if not cfg.num_experts:
+        return cfg.num_layers
+    return (cfg.num_layers - cfg.moe_first_dense) // cfg.moe_every
 
 
 def links(cfg: ModelConfig, prefix: str | None = None) -> list[Link]:
@@ -247,12 +254,19 @@ def _gpt2_links(cfg: ModelConfig, p: str) -> list[Link]:
 
 
 def _llama_links(cfg: ModelConfig, p: str) -> list[Link]:
-    """Embedding, final norm and every layer: attention, norms, and a gated MLP."""
+    """Embedding, final norm and every layer: attention, norms, and a gated MLP or (every
+    ``moe_every``-th layer of an MoE model) the router and experts."""
     d = cfg.d_model
     table = [same(f"{p}embed_tokens.weight", (cfg.vocab_size, d), "embed.w_vd", layered=False),
              same(f"{p}norm.weight", (d,), "final_norm.scale_d", layered=False)]
     mlp = gated_mlp_links(f"{p}layers.{{i}}.mlp.", "mlp.", d, cfg.d_ff, cfg.bias)
-    return table + attention_links(cfg, p) + mlp
+    if not cfg.num_experts:
+        return table + attention_links(cfg, p) + mlp
+    every = cfg.moe_every  # a scanned group: dense.0 .. dense.{every-2}, then moe
+    for j in range(every - 1):
+        table += placed(attention_links(cfg, p) + mlp, f"dense.{j}.", every, j)
+    moe = attention_links(cfg, p) + expert_links(cfg, family(cfg), p)
+    return table + placed(moe, "moe.", every, every - 1)
 
 
 def attention_links(cfg: ModelConfig, p: str) -> list[Link]:
@@ -276,19 +290,4 @@ def attention_links(cfg: ModelConfig, p: str) -> list[Link]:
     if cfg.qk_norm:  # Qwen3: RMSNorm weights over one head's dims
         table += [same(f"{at}q_norm.weight", (k,), "attn.q_norm_k"),
                   same(f"{at}k_norm.weight", (k,), "attn.k_norm_k")]
-    return table
-
-
-def gated_mlp_links(hf: str, ours: str, d: int, f: int, bias: bool = False,
-                    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
-                    ) -> list[Link]:
-    """A gated MLP of width ``f`` under HF prefix ``hf`` and shardlib prefix ``ours``."""
-    gate, up, down = names
-    table = [transposed(f"{hf}{gate}.weight", (f, d), f"{ours}w_gate_df"),
-             transposed(f"{hf}{up}.weight", (f, d), f"{ours}w_in_df"),
-             transposed(f"{hf}{down}.weight", (d, f), f"{ours}w_out_fd")]
-    if bias:
-        table += [same(f"{hf}{gate}.bias", (f,), f"{ours}b_gate_f"),
-                  same(f"{hf}{up}.bias", (f,), f"{ours}b_in_f"),
-                  same(f"{hf}{down}.bias", (d,), f"{ours}b_out_d")]
     return table

@@ -71,3 +71,19 @@ def stacked_transposed(hf: Sequence[str], shape: Sequence[int], ours: str) -> Li
     (E, in, out) parameter."""
     return Link(tuple(hf), (tuple(shape),) * len(hf), (ours,),
                 lambda xs: [np.stack([x.T for x in xs])], lambda xs: [w.T for w in xs[0]])
+
+
+def gated_mlp_links(hf: str, ours: str, d: int, f: int, bias: bool = False,
+                    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+                    ) -> list[Link]:
+    """A gated MLP of width ``f`` under HF prefix ``hf`` and shardlib prefix ``ours``
+    (Llama's ``gate_proj``/``up_proj``/``down_proj`` unless ``names`` says otherwise)."""
+    gate, up, down = names
+    table = [transposed(f"{hf}{gate}.weight", (f, d), f"{ours}w_gate_df"),
+             transposed(f"{hf}{up}.weight", (f, d), f"{ours}w_in_df"),
+             transposed(f"{hf}{down}.weight", (d, f), f"{ours}w_out_fd")]
+    if bias:
+        table += [same(f"{hf}{gate}.bias", (f,), f"{ours}b_gate_f"),
+                  same(f"{hf}{up}.bias", (f,), f"{ours}b_in_f"),
+                  same(f"{hf}{down}.bias", (d,), f"{ours}b_out_d")]
+    return table

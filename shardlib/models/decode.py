@@ -108,10 +108,27 @@ def forward_cached(model: GPT, tokens_bt: jax.Array, pos_bt: jax.Array, cache: K
     x_btd = model.embed(tokens_bt)
     if cfg.pos_embedding == "learned":
         x_btd = x_btd + jnp.take(model.pos_td[...], pos_bt, axis=0)
+    first = cfg.moe_first_dense if cfg.num_experts else 0  # an MoE model's dense layers
     every = cfg.moe_every if cfg.num_experts else 1  # layers per group (MoE: dense..., MoE)
-    k_gj, v_gj = (c.reshape(c.shape[0] // every, every, *c.shape[1:]) for c in cache)
-    if cfg.scan_layers:
-        graphdef, state = nnx.split(model.blocks)
+    stacks = [(model.dense_blocks, 1, slice(0, first))] if first else []
+    ks, vs = [], []
+    for blocks, size, layers in [*stacks, (model.blocks, every, slice(first, None))]:
+        x_btd, k, v = stack_step(blocks, cfg.scan_layers, size, x_btd, pos_bt,
+                                 cache.k[layers], cache.v[layers])
+        ks, vs = ks + [k], vs + [v]
+    k, v = (parts[0] if len(parts) == 1 else jnp.concatenate(parts) for parts in (ks, vs))
+    return model.head(x_btd), KVCache(k, v)
+
+
+def stack_step(blocks: nnx.Module, scanned: bool, every: int, x_btd: jax.Array,
+               pos_bt: jax.Array, k_lbskh: jax.Array, v_lbskh: jax.Array
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer stack (groups of ``every`` layers, scanned or listed) on new tokens;
+    the caches hold its L layers, (L, B, S, KV, K)."""
+    k_gj, v_gj = (c.reshape(c.shape[0] // every, every, *c.shape[1:])
+                  for c in (k_lbskh, v_lbskh))
+    if scanned:
+        graphdef, state = nnx.split(blocks)
 
         def body(x, layer):
             state_g, k_g, v_g = layer
@@ -121,12 +138,11 @@ def forward_cached(model: GPT, tokens_bt: jax.Array, pos_bt: jax.Array, cache: K
         x_btd, (k_gj, v_gj) = jax.lax.scan(body, x_btd, (state, k_gj, v_gj))
     else:
         ks, vs = [], []
-        for g, group in enumerate(model.blocks):
+        for g, group in enumerate(blocks):
             x_btd, k_g, v_g = group_step(group, x_btd, pos_bt, k_gj[g], v_gj[g])
             ks, vs = ks + [k_g], vs + [v_g]
         k_gj, v_gj = jnp.stack(ks), jnp.stack(vs)
-    k, v = (c.reshape(cfg.num_layers, *c.shape[2:]) for c in (k_gj, v_gj))
-    return model.head(x_btd), KVCache(k, v)
+    return x_btd, k_gj.reshape(k_lbskh.shape), v_gj.reshape(v_lbskh.shape)
 
 
 def sample(logits_bv: jax.Array, key: jax.Array, *, temperature: float = 0.0,
