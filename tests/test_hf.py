@@ -46,7 +46,7 @@ def tiny_hf(kind: str):
     """A random transformers model: 2 layers, d 64, vocab 256, large init so logits are
     O(1). ``llama``: GQA (4 q heads, 2 K/V heads), untied head and biases; ``llama3``:
     rope_type llama3 and a tied head (as the 1B/3B); ``qwen2``: untied, q/k/v biases;
-    ``qwen3``: q/k head norms with weights away from one."""
+    ``qwen3``: q/k head norms with weights away from one, heads 32 wide (not 64 / 4)."""
     torch.manual_seed(0)
     if kind == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -59,9 +59,9 @@ def tiny_hf(kind: str):
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             **SHAPE, attention_bias=True, mlp_bias=True))
-    elif kind == "qwen3":
+    elif kind == "qwen3":  # head_dim 32, not d / heads = 16, as Qwen3's 128 for d 1024
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-            **SHAPE, head_dim=16, tie_word_embeddings=False))
+            **SHAPE, head_dim=32, tie_word_embeddings=False))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
             **SHAPE, tie_word_embeddings=False, use_sliding_window=False))
@@ -134,7 +134,8 @@ def test_sharded_logits_fsdp4_tensor2(saved, kind):
                             setup.state_shardings.params)
     w_q = params["blocks"]["attn"]["w_q_dhk"].get_value()  # (L, d, H, K) over fsdp x tensor
     assert w_q.sharding == setup.state_shardings.params["blocks"]["attn"]["w_q_dhk"].get_value()
-    assert {s.data.shape for s in w_q.addressable_shards} == {(2, 16, 2, 16)}
+    head_dim = setup.config.model.head_dim
+    assert {s.data.shape for s in w_q.addressable_shards} == {(2, 16, 2, head_dim)}
     logits = sharded_logits(setup, params, TOKENS)
     np.testing.assert_allclose(logits, reference, rtol=0, atol=TOL)
 
@@ -288,13 +289,11 @@ def write_config(config, path: Path) -> Path:
     return path
 
 
-def test_qwen3_head_dim_and_windows_are_refused_by_name(tmp_path):
-    """A head_dim other than hidden_size / heads, and sliding windows, change the model:
-    refused with the field named, not loaded wrong."""
-    wide = transformers.Qwen3Config(**SHAPE, head_dim=32)
-    with pytest.raises(ConfigError, match=r"head_dim=32 is not hidden_size / "
-                       "num_attention_heads = 16"):
-        hf.load_config(write_config(wide, tmp_path / "wide"))
+def test_qwen3_head_dim_maps_and_windows_are_refused_by_name(saved, tmp_path):
+    """Qwen3's head_dim (32 here, not 64 / 4) becomes model.attn_head_dim; a sliding
+    window would change the model: refused with the field named, not loaded wrong."""
+    cfg = hf.load_config(saved["qwen3"][0])
+    assert (cfg.attn_head_dim, cfg.head_dim, cfg.qk_norm, cfg.qkv_bias) == (32, 32, True, False)
     window = transformers.Qwen3Config(**SHAPE, head_dim=16, use_sliding_window=True,
                                       sliding_window=8, max_window_layers=1)
     with pytest.raises(ConfigError, match="use_sliding_window=True is not supported"):

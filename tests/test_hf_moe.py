@@ -37,7 +37,7 @@ def tiny_hf(kind: str):
     both layers (gates renormalised); ``qwen2_moe``: 4 layers, every 2nd MoE
     (decoder_sparse_step 2, dense MLPs of 128 between), 4 experts of width 32, a gated
     shared expert of 48, q/k/v biases, gates not renormalised; ``qwen3_moe``: 8 experts of
-    32, q/k head norms, gates renormalised."""
+    32, q/k head norms, heads 32 wide (not 64 / 4), gates renormalised."""
     torch.manual_seed(0)
     if kind == "mixtral":
         model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
@@ -49,7 +49,7 @@ def tiny_hf(kind: str):
             decoder_sparse_step=2, use_sliding_window=False))
     else:
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            **SHAPE, head_dim=16, num_experts=8, num_experts_per_tok=2,
+            **SHAPE, head_dim=32, num_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=32, norm_topk_prob=True))
     with torch.no_grad():  # biases start at zero, norm weights at one: make them matter
         for name, p in model.named_parameters():
@@ -86,8 +86,8 @@ def test_configs_map_to_the_moe_fields(saved):
             qwen2.moe_shared_gate, qwen2.moe_norm_topk, qwen2.qkv_bias) == (
         2, 32, 128, 48, True, "off", True)
     qwen3 = hf.load_config(saved["qwen3_moe"][0])
-    assert (qwen3.num_experts, qwen3.qk_norm, qwen3.moe_norm_topk, qwen3.moe_shared_d_ff) == (
-        8, True, "on", 0)
+    assert (qwen3.num_experts, qwen3.qk_norm, qwen3.moe_norm_topk, qwen3.moe_shared_d_ff,
+            qwen3.head_dim) == (8, True, "on", 0, 32)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -47,7 +47,7 @@ _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.
 _CODES = {np.dtype(v).name: k for k, v in _DTYPES.items()}
 # Fields that change the function a checkpoint computes (max_seq_len only with learned
 # positions, where it is the position table's size).
-_ARCH_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "kv_heads", "d_ff",
+_ARCH_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "kv_heads", "head_dim", "d_ff",
                 "pos_embedding", "norm", "norm_eps", "mlp", "activation", "bias",
                 "tie_embeddings", "rope_theta", "qkv_bias", "qk_norm", "rope_scaling",
                 "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",

@@ -122,16 +122,14 @@ def _llama_config(hf: dict[str, Any], where: str) -> ModelConfig:
                           f"{hf.get('mlp_bias', False)}; shardlib's model.bias covers both, so "
                           "they must agree")
     d_model, heads = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, d_model // heads):
-        raise ConfigError(f"{where}: head_dim={hf['head_dim']} is not hidden_size / "
-                          f"num_attention_heads = {d_model // heads}; shardlib's heads are "
-                          "d_model / num_heads wide, so this checkpoint cannot be expressed")
+    head_dim = hf.get("head_dim") or d_model // heads  # Qwen3: 128, wider than d / heads
     act = hf.get("hidden_act", "silu")
     if _FROM_HF_ACT.get(act) is None:
         raise _unsupported(where, "hidden_act", act, sorted(_FROM_HF_ACT))
     moe = moe_fields(hf, where) if kind in MOE_KINDS else {}
     return ModelConfig(**moe,
         name=f"hf-{kind}", vocab_size=hf["vocab_size"], d_model=d_model,
+        attn_head_dim=0 if head_dim * heads == d_model else head_dim,
         num_layers=hf["num_hidden_layers"], num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads, d_ff=hf["intermediate_size"],
         max_seq_len=hf.get("max_position_embeddings", 2048), pos_embedding="rope",

@@ -136,8 +136,8 @@ class Attention(nnx.Module):
                  rope_theta: float | None, rngs: nnx.Rngs, num_kv_heads: int = 0,
                  bias: bool = False, qkv_bias: bool = False,
                  rope_scaling: RopeScaling | None = None, qk_norm: bool = False,
-                 norm_eps: float = 1e-6):
-        head_dim = d_model // num_heads
+                 norm_eps: float = 1e-6, head_dim: int = 0):
+        head_dim = head_dim or d_model // num_heads  # Qwen3: wider than d_model / heads
         dhk = (d_model, num_heads, head_dim)
         kv_dhk = (d_model, num_kv_heads or num_heads, head_dim)  # GQA: fewer K/V heads
         self.w_q_dhk = param(rngs, normal(std), dhk, ("embed", "heads", "head_dim"))
