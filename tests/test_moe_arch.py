@@ -22,7 +22,7 @@ from shardlib.config import MeshConfig, ModelConfig
 from shardlib.errors import ConfigError
 from shardlib.models import GPT, count_params
 from shardlib.models.layers import ACTIVATIONS
-from shardlib.models.moe import MoEMLP, balance, moe_objective, num_moe_layers
+from shardlib.models.moe import LOAD_METRIC, MoEMLP, balance, moe_objective, num_moe_layers
 from shardlib.models.router import choose, normalises
 from shardlib.train.state import build_setup, init_state
 from shardlib.train.step import make_train_step
@@ -94,16 +94,18 @@ def layer_and_reference(changes: dict):
 
     def ours(pure, x):
         out, stats = nnx.merge(graphdef, pure)(x)
-        assert float(jax.lax.stop_gradient(stats["dropped_frac"])) == 0.0
-        return jnp.sum(out * r_btd) + stats["aux_loss"]
+        return jnp.sum(out * r_btd) + stats["aux_loss"], stats["dropped_frac"]
 
     def theirs(pure, x):
         out, aux = token_reference(cfg, pure, x)
-        return jnp.sum(out * r_btd) + aux
+        return jnp.sum(out * r_btd) + aux, jnp.zeros(())
 
     pure = nnx.to_pure_dict(state)
-    grad = partial(jax.value_and_grad, argnums=(0, 1))
-    return grad(ours)(pure, x_btd), grad(theirs)(pure, x_btd), layer, x_btd
+    grad = partial(jax.value_and_grad, argnums=(0, 1), has_aux=True)
+    ((value, dropped), grads), ((ref_value, _), ref_grads) = jax.jit(
+        lambda p, x: (grad(ours)(p, x), grad(theirs)(p, x)))(pure, x_btd)
+    assert dropped == 0.0, "the capacity must keep every token"
+    return (value, grads), (ref_value, ref_grads), layer, x_btd
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -158,7 +160,7 @@ def test_first_dense_layers_and_counts(scan):
     cfg = dataclasses.replace(tiny_config(MeshConfig()).model, num_layers=5, num_experts=4,
                               moe_first_dense=2, moe_every=3, scan_layers=scan,
                               mlp="gated", moe_shared_d_ff=32, moe_shared_gate=True)
-    model = GPT(cfg, rngs=nnx.Rngs(0))
+    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))  # shapes only
     assert num_moe_layers(cfg) == moe_layers(cfg) == 1
     blocks = list(model.blocks) if not scan else [model.blocks]
     dense = list(model.dense_blocks) if not scan else [model.dense_blocks]
@@ -168,9 +170,26 @@ def test_first_dense_layers_and_counts(scan):
     else:
         assert len(dense) == 2 and len(blocks) == 1
     assert len(blocks[0].dense) == 2  # moe_every - 1 dense layers before the MoE layer
-    logits, stats = model.forward(jnp.zeros((2, 8), jnp.int32))
+    logits, stats = nnx.eval_shape(
+        lambda: GPT(cfg, rngs=nnx.Rngs(0)).forward(jnp.zeros((2, 8), jnp.int32)))
     assert logits.shape == (2, 8, cfg.vocab_size) and stats["load_e"].shape == (1, 4)
     assert count_params(cfg) == param_counts(cfg).total
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_balance_moves_each_layers_bias_by_its_own_load(scan):
+    cfg = dataclasses.replace(tiny_config(MeshConfig()).model, num_layers=3, num_experts=4,
+                              moe_first_dense=1, moe_bias_rate=0.5, scan_layers=scan)
+    params = nnx.state(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+    params = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), params)
+    load_le = jnp.array([[0.4, 0.3, 0.2, 0.1], [0.1, 0.25, 0.25, 0.4]])
+    moved, metrics = balance(cfg, params, {"loss": jnp.ones(()), LOAD_METRIC: load_le})
+    assert sorted(metrics) == ["loss", "moe_load_max"]
+    np.testing.assert_allclose(metrics["moe_load_max"], (0.4 + 0.4) / 2 * 4)
+    biases = [np.asarray(v.get_value()) for p, v in nnx.to_flat_state(moved)
+              if p[-1] == "router_bias_e"]
+    got = np.concatenate([b.reshape(-1, 4) for b in biases])  # layers in order
+    np.testing.assert_array_equal(got, [[-0.5, -0.5, 0.5, 0.5], [0.5, 0, 0, -0.5]])
 
 
 def test_param_counts_with_every_option():
@@ -276,3 +295,25 @@ def test_router_bias_survives_checkpoint_onto_another_mesh(arch_reference, tmp_p
     for path, value in params.items():
         assert relative_error(value, ref_params[path]) < TOL, path
     np.testing.assert_array_equal(bias_of(params), bias_of(ref_params))
+
+
+def test_planner_refuses_tensor_splits_of_expert_widths():
+    from shardlib.planner.space import mesh_problem
+
+    config = tiny_config(MeshConfig(), num_experts=8, moe_d_ff=30, moe_shared_d_ff=36)
+    assert "moe_d_ff)=30" in mesh_problem(config, {"tensor": 4})
+    config = tiny_config(MeshConfig(), num_experts=8, moe_d_ff=32, moe_shared_d_ff=34)
+    assert "shared expert's mlp=34" in mesh_problem(config, {"tensor": 4})
+    assert mesh_problem(config, {"tensor": 2}) is None
+
+
+def test_bf16_compute_keeps_the_router_bias_in_fp32():
+    from shardlib.config import PrecisionConfig
+    from shardlib.precision import cast_params, resolve
+
+    cfg = dataclasses.replace(LAYER, moe_bias_rate=0.01)
+    state = nnx.state(MoEMLP(cfg, std=0.3, out_std=0.3, rngs=nnx.Rngs(0)))
+    cast = cast_params(state, resolve(PrecisionConfig(policy="bf16"), "cpu"))
+    dtypes = {".".join(map(str, p)): v.get_value().dtype for p, v in nnx.to_flat_state(cast)}
+    assert dtypes.pop("router_bias_e") == jnp.float32  # sign steps of rate stay visible
+    assert set(dtypes.values()) == {jnp.dtype(jnp.bfloat16)}, dtypes

@@ -192,8 +192,8 @@ def dense_experts(x_btd: jax.Array, weight_bte: jax.Array, w_in_edf: jax.Array,
 
 
 LOAD_METRIC = "moe_load_le"
-"""Metric key of each MoE layer's per-expert load (L_moe, E), present only with
-``moe_bias_rate`` > 0: the train step takes it out (``balance``) to move the biases."""
+"""Metric key of each MoE layer's per-expert load (L_moe, E), a mean over rows: the
+train step takes it out (``balance``): it moves the biases and gives ``moe_load_max``."""
 
 
 def moe_objective(cfg: ModelConfig, stats: MoEStats) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -201,30 +201,37 @@ def moe_objective(cfg: ModelConfig, stats: MoEStats) -> tuple[jax.Array, dict[st
 
     ``stats`` carry a leading MoE-layer dim (stacked by the scan); each loss is the mean
     over MoE layers, so its size does not grow with depth. Empty stats: a dense model.
-    ``moe_load_max``: the busiest expert's share of the assignments times E (max / mean
-    tokens per expert; 1 when balanced), averaged over MoE layers.
+    Every metric is a mean over rows, so a mean over devices is the global one.
     """
     if not stats:
         return jnp.zeros((), jnp.float32), {}
     aux, z = jnp.mean(stats["aux_loss"]), jnp.mean(stats["z_loss"])
-    load_le = stats["load_e"]
     metrics = {"moe_aux_loss": aux, "moe_z_loss": z,
                "moe_dropped_frac": jnp.mean(stats["dropped_frac"]),
-               "moe_load_max": jnp.mean(jnp.max(load_le, axis=-1)) * load_le.shape[-1]}
-    if cfg.moe_bias_rate > 0:
-        metrics[LOAD_METRIC] = load_le
+               LOAD_METRIC: stats["load_e"]}
     return cfg.moe_aux_weight * aux + cfg.moe_z_weight * z, metrics
+
+
+def take_load(metrics: dict[str, jax.Array]) -> tuple[jax.Array | None, dict[str, jax.Array]]:
+    """(the per-expert load (L_moe, E) or None, the metrics without it but with
+    ``moe_load_max``: the busiest expert's share of the batch's assignments times E, i.e.
+    max / mean tokens per expert, 1 when balanced, averaged over MoE layers)."""
+    if LOAD_METRIC not in metrics:
+        return None, metrics
+    metrics = dict(metrics)
+    load_le = jax.lax.stop_gradient(metrics.pop(LOAD_METRIC))
+    metrics["moe_load_max"] = jnp.mean(jnp.max(load_le, axis=-1)) * load_le.shape[-1]
+    return load_le, metrics
 
 
 def balance(cfg: ModelConfig, params: nnx.State,
             metrics: dict[str, jax.Array]) -> tuple[nnx.State, dict[str, jax.Array]]:
-    """After an optimizer step: every ``RouterBias`` moved by ``moe_bias_rate x sign(mean
-    load - load)`` of its layer (DeepSeek-V3's auxiliary-loss-free balancing, outside the
-    gradient), and the metrics without the per-expert load."""
-    if LOAD_METRIC not in metrics:
+    """After an optimizer step: ``take_load``, and with ``moe_bias_rate`` > 0 every
+    ``RouterBias`` moved by ``rate x sign(mean load - load)`` of its layer (DeepSeek-V3's
+    auxiliary-loss-free balancing, outside the gradient)."""
+    load_le, metrics = take_load(metrics)
+    if load_le is None or cfg.moe_bias_rate <= 0:
         return params, metrics
-    metrics = dict(metrics)
-    load_le = jax.lax.stop_gradient(metrics.pop(LOAD_METRIC))
     step_le = cfg.moe_bias_rate * jnp.sign(jnp.mean(load_le, axis=-1, keepdims=True) - load_le)
 
     def one(path: tuple, var: nnx.Variable) -> nnx.Variable:
