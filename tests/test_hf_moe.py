@@ -1,6 +1,7 @@
 """Hugging Face mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): logits equal to the
 PyTorch model's on one device and on data=2,expert=4, save -> transformers round trip,
-`shardlib generate` continues a prompt with transformers' greedy tokens, and the variants
+`shardlib generate` continues a prompt with transformers' greedy tokens, a fine-tune on
+data=2,expert=4 starts from PyTorch's loss and exports back (slow), and the variants
 shardlib cannot express are refused by name.
 Skipped when transformers or torch are missing (they are in the ``dev`` extra)."""
 
@@ -18,9 +19,10 @@ transformers = pytest.importorskip("transformers")
 
 from shardlib import data as data_lib  # noqa: E402
 from shardlib.cli import main  # noqa: E402
-from shardlib.config import Config, MeshConfig, TrainConfig  # noqa: E402
+from shardlib.config import CheckpointConfig, Config, MeshConfig, TrainConfig  # noqa: E402
 from shardlib.errors import ConfigError  # noqa: E402
 from shardlib.interop import hf  # noqa: E402
+from shardlib.run.loop import train  # noqa: E402
 from shardlib.sharding import activation_rules  # noqa: E402
 from shardlib.train.state import build_setup  # noqa: E402
 
@@ -173,3 +175,32 @@ def test_unsupported_moe_variants_are_refused_by_name(saved, tmp_path):
     cfg = hf.load_config(mixtral)
     with pytest.raises(ConfigError, match="model.moe_score='sigmoid'"):
         hf.to_hf_config(dataclasses.replace(cfg, moe_score="sigmoid"))
+
+
+@pytest.mark.slow  # ~60 s here: compiles the expert-parallel train step
+def test_finetune_on_expert_mesh_then_export_hf(saved, tmp_path):
+    """`train.init_from` a Qwen2-MoE on data=2,expert=4: the first loss equals PyTorch's
+    on that batch; `export --format hf` of the trained checkpoint loads in transformers
+    with the trained model's logits."""
+    path, _ = saved["qwen2_moe"]
+    config = Config(mesh=MeshConfig(data=2, expert=4), model=hf.load_config(path),
+                    train=TrainConfig(batch_size=8, seq_len=32, data="synthetic", steps=1,
+                                      eval_every=0, sample_tokens=0, init_from=str(path)),
+                    checkpoint=CheckpointConfig(dir=str(tmp_path / "c"), every=0))
+    result = train(config)
+    batch = data_lib.make_batches("synthetic", 8, 32, 0)[0].rows(0)
+    expected = torch.nn.functional.cross_entropy(
+        torch.tensor(torch_logits(tiny_hf("qwen2_moe"), batch[:, :-1])).reshape(-1, 256),
+        torch.tensor(batch[:, 1:], dtype=torch.long).reshape(-1))
+    assert result.history[0]["loss"] == pytest.approx(float(expected), rel=1e-5)
+    assert main(["export", "--format", "hf", "--checkpoint-dir", str(tmp_path / "c"),
+                 "--out", str(tmp_path / "hf")]) == 0
+    loaded = transformers.Qwen2MoeForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    setup, params = result.setup, result.state.params
+
+    def forward(params: nnx.State, tokens_bt: jax.Array) -> jax.Array:
+        with activation_rules(setup.mesh, setup.rules):
+            return nnx.merge(setup.graphdef, params)(tokens_bt)
+
+    ours = np.asarray(jax.jit(forward)(params, jax.device_put(TOKENS, setup.batch_sharding)))
+    np.testing.assert_allclose(torch_logits(loaded, TOKENS), ours, rtol=0, atol=TOL)
