@@ -1,4 +1,5 @@
-"""Read and write Hugging Face ``save_pretrained`` directories (GPT-2, Llama, Qwen2/3).
+"""Read and write Hugging Face ``save_pretrained`` directories (GPT-2, Llama, Qwen2/3,
+Mixtral, Qwen2-MoE, Qwen3-MoE).
 
 Loading reads config.json into a ``ModelConfig`` and the safetensors files (one
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``) one tensor at
@@ -263,8 +264,8 @@ class Saved:
 
 
 def save_pretrained(model: GPT, path: str | os.PathLike, *, dtype: str = "float32") -> Saved:
-    """Write ``model`` as config.json + model.safetensors that transformers loads
-    (GPT2LMHeadModel or LlamaForCausalLM), gathering one parameter at a time."""
+    """Write ``model`` as config.json + model.safetensors that transformers loads (the
+    architecture of ``hf_layout.family``), gathering one parameter at a time."""
     arrays = {path_str(p): v.get_value()
               for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     return write_pretrained(model.cfg, lambda name: np.asarray(jax.device_get(arrays[name])),

@@ -144,8 +144,9 @@ def _llama_config(hf: dict[str, Any], where: str) -> ModelConfig:
 def family(cfg: ModelConfig) -> str:
     """The ``SUPPORTED`` HF architecture this ModelConfig is, or a ConfigError: Qwen2 is
     Llama with q/k/v biases only, Qwen3 Llama with q/k head norms."""
-    gpt2 = (cfg.pos_embedding, cfg.norm, cfg.mlp, cfg.bias, cfg.kv_heads, cfg.qk_norm) == (
-        "learned", "layer", "plain", True, cfg.num_heads, False)
+    gpt2 = (cfg.pos_embedding, cfg.norm, cfg.mlp, cfg.bias, cfg.kv_heads, cfg.qk_norm,
+            cfg.head_dim * cfg.num_heads) == (
+        "learned", "layer", "plain", True, cfg.num_heads, False, cfg.d_model)
     llama = (cfg.pos_embedding, cfg.norm, cfg.mlp) == ("rope", "rms", "gated")
     if not (gpt2 and not cfg.num_experts or llama):
         raise ConfigError(
