@@ -89,6 +89,8 @@ class ModelConfig:
     bias: bool = False  # biases in every projection and LayerNorm (GPT-2)
     num_kv_heads: int = 0  # grouped-query attention: K/V heads (0 = num_heads, i.e. MHA)
     qkv_bias: bool = False  # biases on q/k/v only (Qwen2); model.bias covers every projection
+    qk_norm: bool = False  # RMSNorm over each q and k head (head_dim) before RoPE (Qwen3)
+    attn_head_dim: int = 0  # width of one attention head; 0 = d_model // num_heads (Qwen3: 128)
     # RoPE frequency scaling (Llama 3.x "rope_type": "llama3"); "" = none
     rope_scaling: str = ""
     rope_factor: float = 1.0  # llama3: long wavelengths divided by this
@@ -98,7 +100,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.num_heads
+        """One attention head's width: ``attn_head_dim``, else ``d_model // num_heads``."""
+        return self.attn_head_dim or self.d_model // self.num_heads
 
     @property
     def kv_heads(self) -> int:

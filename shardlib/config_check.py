@@ -16,7 +16,7 @@ RANGES: dict[str, dict[str, str]] = {
     "model": {**dict.fromkeys(("vocab_size", "d_model", "num_layers", "num_heads", "d_ff",
                                "max_seq_len", "moe_top_k", "moe_every",
                                "rope_original_max_len"), ">=1"),
-              **dict.fromkeys(("num_experts", "num_kv_heads", "moe_aux_weight",
+              **dict.fromkeys(("num_experts", "num_kv_heads", "attn_head_dim", "moe_aux_weight",
                                "moe_z_weight", "moe_d_ff", "moe_shared_d_ff", "moe_bias_rate",
                                "moe_first_dense"), ">=0"),
               **dict.fromkeys(("init_std", "rope_theta", "moe_capacity_factor", "norm_eps",

@@ -64,7 +64,8 @@ class Block(nnx.Module):
         self.attn = Attention(cfg.d_model, cfg.num_heads, std=cfg.init_std, out_std=out_std,
                               rope_theta=rope, rngs=rngs, num_kv_heads=cfg.kv_heads,
                               bias=cfg.bias, qkv_bias=cfg.qkv_bias,
-                              rope_scaling=rope_scaling(cfg))
+                              rope_scaling=rope_scaling(cfg), qk_norm=cfg.qk_norm,
+                              norm_eps=cfg.norm_eps, head_dim=cfg.head_dim)
         self.mlp_norm = make_norm(cfg, rngs)
         if moe:
             self.mlp = MoEMLP(cfg, std=cfg.init_std, out_std=out_std, rngs=rngs)

@@ -54,10 +54,10 @@ def get_preset(name: str) -> ModelConfig:
 
 def check_model(cfg: ModelConfig) -> None:
     """Raise on shapes the model cannot be built with."""
-    if cfg.d_model % cfg.num_heads:
+    if cfg.d_model % cfg.num_heads and not cfg.attn_head_dim:
         raise ConfigError(
             f"model.num_heads={cfg.num_heads} does not divide model.d_model={cfg.d_model}; "
-            "pick num_heads that divides d_model"
+            "pick num_heads that divides d_model (or set model.attn_head_dim)"
         )
     if cfg.pos_embedding not in ("rope", "learned"):
         raise ConfigError(f"model.pos_embedding={cfg.pos_embedding!r}: use 'rope' or 'learned'")
