@@ -62,9 +62,21 @@ class ModelConfig:
     rope_theta: float = 10000.0
     remat: str = "none"  # none | full | dots (keep only matmul outputs) per layer
     # Mixture of experts (shardlib.models.moe): 0 experts = dense MLP in every layer.
-    num_experts: int = 0  # experts per MoE layer, each a d_ff GELU MLP
-    moe_top_k: int = 2  # experts per token: 1 (Switch) or 2 (GShard, gates renormalised)
-    moe_every: int = 1  # every k-th layer (k-1, 2k-1, ...) is MoE; must divide num_layers
+    num_experts: int = 0  # experts per MoE layer (at most 256), each an MLP as model.mlp
+    moe_top_k: int = 2  # experts per token, 1..8: 1 (Switch), 2 (GShard), 8 (DeepSeek-V3)
+    # after the first dense layers every k-th layer is MoE; divides num_layers - moe_first_dense
+    moe_every: int = 1
+    moe_d_ff: int = 0  # each expert's hidden width (fine-grained experts); 0 = d_ff
+    moe_shared_d_ff: int = 0  # hidden width of one always-applied shared expert; 0 = none
+    moe_shared_gate: bool = False  # shared expert's output x sigmoid(x w) (Qwen2-MoE)
+    moe_score: str = "softmax"  # router scores: softmax (Mixtral, Qwen) | sigmoid (DeepSeek-V3)
+    # renormalise the k chosen gates to sum 1: auto (when k > 1) | on | off
+    moe_norm_topk: str = "auto"
+    moe_route_scale: float = 1.0  # gates multiplied by this (DeepSeek's routed_scaling_factor)
+    # auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias, added to the scores
+    # only to choose the top k, moves by this rate x sign(mean load - load) each step; 0 = off
+    moe_bias_rate: float = 0.0
+    moe_first_dense: int = 0  # the first N layers are dense (DeepSeek, Qwen3-MoE)
     moe_capacity_factor: float = 1.25  # slots per expert per sequence: cf * k * T / experts
     moe_aux_weight: float = 0.01  # load-balancing loss weight (Switch Transformer)
     moe_z_weight: float = 0.001  # router z-loss weight (ST-MoE)
@@ -77,6 +89,8 @@ class ModelConfig:
     bias: bool = False  # biases in every projection and LayerNorm (GPT-2)
     num_kv_heads: int = 0  # grouped-query attention: K/V heads (0 = num_heads, i.e. MHA)
     qkv_bias: bool = False  # biases on q/k/v only (Qwen2); model.bias covers every projection
+    qk_norm: bool = False  # RMSNorm over each q and k head (head_dim) before RoPE (Qwen3)
+    attn_head_dim: int = 0  # width of one attention head; 0 = d_model // num_heads (Qwen3: 128)
     # RoPE frequency scaling (Llama 3.x "rope_type": "llama3"); "" = none
     rope_scaling: str = ""
     rope_factor: float = 1.0  # llama3: long wavelengths divided by this
@@ -86,7 +100,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.num_heads
+        """One attention head's width: ``attn_head_dim``, else ``d_model // num_heads``."""
+        return self.attn_head_dim or self.d_model // self.num_heads
 
     @property
     def kv_heads(self) -> int:

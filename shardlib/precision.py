@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from shardlib.config import PrecisionConfig
 from shardlib.errors import ConfigError
@@ -89,15 +90,24 @@ cast.defvjp(_cast_fwd, _cast_bwd)
 
 
 def cast_params(params, policy: Policy):
-    """Every floating parameter in the compute dtype (no-op for fp32). With the gradient
-    in the parameter dtype (every preset policy) a plain ``astype`` has the same
+    """Every floating parameter in the compute dtype (no-op for fp32); model state that
+    is not an ``nnx.Param`` (an MoE router's balancing bias) keeps its dtype. With the
+    gradient in the parameter dtype (every preset policy) a plain ``astype`` has the same
     transpose as ``cast``, and stays a data-movement op that remat can recompute
     (``hooks``: FSDP's gathered weights must not be saved)."""
     if policy.compute == policy.param and policy.grad == policy.param:
         return params
     if policy.grad == policy.param:
-        return jax.tree.map(lambda p: p.astype(policy.compute), params)
-    return jax.tree.map(lambda p: cast(p, policy.compute, policy.grad, p.dtype), params)
+        convert = lambda p: p.astype(policy.compute)  # noqa: E731
+    else:
+        convert = lambda p: cast(p, policy.compute, policy.grad, p.dtype)  # noqa: E731
+
+    def one(p: Any) -> Any:
+        if not isinstance(p, nnx.Variable):
+            return convert(p)
+        return p.replace(value=convert(p[...])) if isinstance(p, nnx.Param) else p
+
+    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 @jax.tree_util.register_dataclass

@@ -164,6 +164,14 @@ def test_pipelined_moe_refuses_expert_and_tensor(mesh):
         build_setup(tiny_config(mesh, **MOE))
 
 
+@pytest.mark.parametrize("field, value", [("moe_first_dense", 1), ("moe_bias_rate", 0.01)])
+def test_pipelined_moe_refuses_first_dense_layers_and_balancing_biases(field, value):
+    config = tiny_config(MeshConfig(data=4, pipeline=2), **{**MOE, field: value})
+    with pytest.raises(ConfigError, match=f"model.{field}={value} with pipeline=2.*"
+                                          f"model.{field}=0"):
+        build_setup(config)
+
+
 def test_tensor_rule_overrides_are_refused_under_pipeline():
     config = dataclasses.replace(tiny_config(MeshConfig(data=2, pipeline=2, tensor=2)),
                                  rules=(("embed", ("tensor",)), ("heads", ())))

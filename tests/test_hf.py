@@ -28,7 +28,8 @@ from shardlib.train.state import build_setup  # noqa: E402
 
 TOL = 1e-4  # max |logit difference|; logits are O(1-10) with initializer_range 0.2
 TOKENS = np.random.default_rng(0).integers(0, 256, (8, 32)).astype(np.int32)
-KINDS = ("gpt2", "llama", "llama3", "qwen2")  # llama3: rope_type llama3, tied; qwen2: qkv biases
+# llama3: rope_type llama3, tied; qwen2: qkv biases; qwen3: q/k head norms
+KINDS = ("gpt2", "llama", "llama3", "qwen2", "qwen3")
 
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -44,7 +45,8 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
 def tiny_hf(kind: str):
     """A random transformers model: 2 layers, d 64, vocab 256, large init so logits are
     O(1). ``llama``: GQA (4 q heads, 2 K/V heads), untied head and biases; ``llama3``:
-    rope_type llama3 and a tied head (as the 1B/3B); ``qwen2``: untied, q/k/v biases."""
+    rope_type llama3 and a tied head (as the 1B/3B); ``qwen2``: untied, q/k/v biases;
+    ``qwen3``: q/k head norms with weights away from one, heads 32 wide (not 64 / 4)."""
     torch.manual_seed(0)
     if kind == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -57,13 +59,18 @@ def tiny_hf(kind: str):
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             **SHAPE, attention_bias=True, mlp_bias=True))
+    elif kind == "qwen3":  # head_dim 32, not d / heads = 16, as Qwen3's 128 for d 1024
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            **SHAPE, head_dim=32, tie_word_embeddings=False))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
             **SHAPE, tie_word_embeddings=False, use_sliding_window=False))
-    with torch.no_grad():  # biases start at zero: make them matter
+    with torch.no_grad():  # biases start at zero, norm weights at one: make them matter
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.2)
+            if name.endswith("_norm.weight"):
+                p.uniform_(0.5, 1.5)
     return model.eval()
 
 
@@ -127,7 +134,8 @@ def test_sharded_logits_fsdp4_tensor2(saved, kind):
                             setup.state_shardings.params)
     w_q = params["blocks"]["attn"]["w_q_dhk"].get_value()  # (L, d, H, K) over fsdp x tensor
     assert w_q.sharding == setup.state_shardings.params["blocks"]["attn"]["w_q_dhk"].get_value()
-    assert {s.data.shape for s in w_q.addressable_shards} == {(2, 16, 2, 16)}
+    head_dim = setup.config.model.head_dim
+    assert {s.data.shape for s in w_q.addressable_shards} == {(2, 16, 2, head_dim)}
     logits = sharded_logits(setup, params, TOKENS)
     np.testing.assert_allclose(logits, reference, rtol=0, atol=TOL)
 
@@ -271,3 +279,32 @@ def test_generate_command_prints_transformers_greedy_text(saved, capsys):
                  "--max-new-tokens", "8", "--mesh", "fsdp=4,tensor=2"]) == 0
     expected = data_lib.decode(theirs[0, ids.shape[1]:].numpy())
     assert capsys.readouterr().out == expected + "\n"
+
+
+# --- Qwen3 and what is refused ---------------------------------------------------------
+
+def write_config(config, path: Path) -> Path:
+    """A transformers config saved alone (no weights): enough for ``load_config``."""
+    config.save_pretrained(path)
+    return path
+
+
+def test_qwen3_head_dim_maps_and_windows_are_refused_by_name(saved, tmp_path):
+    """Qwen3's head_dim (32 here, not 64 / 4) becomes model.attn_head_dim; a sliding
+    window would change the model: refused with the field named, not loaded wrong."""
+    cfg = hf.load_config(saved["qwen3"][0])
+    assert (cfg.attn_head_dim, cfg.head_dim, cfg.qk_norm, cfg.qkv_bias) == (32, 32, True, False)
+    window = transformers.Qwen3Config(**SHAPE, head_dim=16, use_sliding_window=True,
+                                      sliding_window=8, max_window_layers=1)
+    with pytest.raises(ConfigError, match="use_sliding_window=True is not supported"):
+        hf.load_config(write_config(window, tmp_path / "window"))
+
+
+def test_deepseek_mla_is_refused_by_name(tmp_path):
+    config = transformers.DeepseekV3Config(hidden_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, vocab_size=256,
+                                           architectures=["DeepseekV3ForCausalLM"])
+    with pytest.raises(ConfigError, match=r"model_type 'deepseek_v3' \(DeepseekV3ForCausalLM\)"
+                       r" is not supported \(it uses multi-head latent attention.*"
+                       r"qwen3 \(Qwen3ForCausalLM\)"):
+        hf.load_config(write_config(config, tmp_path / "ds"))

@@ -1,4 +1,5 @@
-"""Read and write Hugging Face ``save_pretrained`` directories (GPT-2 and Llama).
+"""Read and write Hugging Face ``save_pretrained`` directories (GPT-2, Llama, Qwen2/3,
+Mixtral, Qwen2-MoE, Qwen3-MoE).
 
 Loading reads config.json into a ``ModelConfig`` and the safetensors files (one
 ``model.safetensors`` or shards listed in ``model.safetensors.index.json``) one tensor at
@@ -34,7 +35,8 @@ from shardlib.checkpoint import Checkpointer
 from shardlib.config import MeshConfig, ModelConfig
 from shardlib.errors import CheckpointError, ConfigError, ShardlibError
 from shardlib.export import good_step, read_array
-from shardlib.interop.hf_layout import Link, links, to_hf_config, to_model_config
+from shardlib.interop.hf_layout import layer_groups, links, to_hf_config, to_model_config
+from shardlib.interop.hf_links import Link
 from shardlib.mesh import MESH_AXES, make_mesh
 from shardlib.models.gpt import GPT
 from shardlib.train.setup import TrainSetup, TrainState
@@ -46,10 +48,13 @@ _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.
 _CODES = {np.dtype(v).name: k for k, v in _DTYPES.items()}
 # Fields that change the function a checkpoint computes (max_seq_len only with learned
 # positions, where it is the position table's size).
-_ARCH_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "kv_heads", "d_ff",
+_ARCH_FIELDS = ("vocab_size", "d_model", "num_layers", "num_heads", "kv_heads", "head_dim", "d_ff",
                 "pos_embedding", "norm", "norm_eps", "mlp", "activation", "bias",
-                "tie_embeddings", "rope_theta", "qkv_bias", "rope_scaling", "rope_factor",
-                "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
+                "tie_embeddings", "rope_theta", "qkv_bias", "qk_norm", "rope_scaling",
+                "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                "rope_original_max_len", "num_experts", "moe_top_k", "moe_every", "moe_d_ff",
+                "moe_shared_d_ff", "moe_shared_gate", "moe_score", "moe_norm_topk",
+                "moe_route_scale", "moe_first_dense")
 
 
 # --- reading ---------------------------------------------------------------------------
@@ -187,8 +192,8 @@ def _host_param(files: TensorFiles, owner: dict[str, tuple[Link, int]], rel: str
         raise ConfigError(f"parameter {rel} has no Hugging Face counterpart")
     link, j = owner[rel]
 
-    def one(i: int | None) -> np.ndarray:
-        hf = [files.read(n.format(i=i), s) for n, s in zip(link.hf, link.hf_shapes, strict=True)]
+    def one(group: int | None) -> np.ndarray:
+        hf = [files.read(n, s) for n, s in zip(link.names(group), link.hf_shapes, strict=True)]
         return link.to_ours(hf)[j]
 
     return np.stack([one(i) for i in layers]) if isinstance(layers, list) else one(layers)
@@ -259,8 +264,8 @@ class Saved:
 
 
 def save_pretrained(model: GPT, path: str | os.PathLike, *, dtype: str = "float32") -> Saved:
-    """Write ``model`` as config.json + model.safetensors that transformers loads
-    (GPT2LMHeadModel or LlamaForCausalLM), gathering one parameter at a time."""
+    """Write ``model`` as config.json + model.safetensors that transformers loads (the
+    architecture of ``hf_layout.family``), gathering one parameter at a time."""
     arrays = {path_str(p): v.get_value()
               for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     return write_pretrained(model.cfg, lambda name: np.asarray(jax.device_get(arrays[name])),
@@ -278,8 +283,8 @@ def write_pretrained(cfg: ModelConfig, get: Callable[[str], np.ndarray], names: 
     if np.dtype(dtype).name not in ("float32", "float16", "bfloat16"):
         raise ConfigError(f"dtype={dtype!r}: use float32, float16 or bfloat16")
     table, names = links(cfg), set(names)  # a model HF cannot hold fails here
-    order = [(n.format(i=i), s) for link in table for i in _layers(cfg, link)
-             for n, s in zip(link.hf, link.hf_shapes, strict=True)]
+    order = [(n, s) for link in table for g in _layers(cfg, link)
+             for n, s in zip(link.names(g), link.hf_shapes, strict=True)]
     header = _header(order, np.dtype(dtype))
     created = not out.exists()
     out.mkdir(exist_ok=True)
@@ -306,7 +311,8 @@ def write_pretrained(cfg: ModelConfig, get: Callable[[str], np.ndarray], names: 
 
 
 def _layers(cfg: ModelConfig, link: Link) -> range | list[None]:
-    return range(cfg.num_layers) if link.layered else [None]
+    """The layer groups ``link`` has tensors in ([None]: not layered)."""
+    return range(layer_groups(cfg)) if link.layered else [None]
 
 
 def _gather(cfg: ModelConfig, get: Callable[[str], np.ndarray], names: set[str], rel: str,
@@ -314,7 +320,7 @@ def _gather(cfg: ModelConfig, get: Callable[[str], np.ndarray], names: set[str],
     """A parameter, stacked over layers when ``layered`` (scanned or per-layer storage)."""
     if not layered or f"blocks.{rel}" in names:
         return get(rel if not layered else f"blocks.{rel}")
-    return np.stack([get(f"blocks.{i}.{rel}") for i in range(cfg.num_layers)])
+    return np.stack([get(f"blocks.{i}.{rel}") for i in range(layer_groups(cfg))])
 
 
 def _header(order: list[tuple[str, tuple[int, ...]]], dtype: np.dtype) -> bytes:

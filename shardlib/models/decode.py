@@ -7,6 +7,11 @@ prompts of different lengths needs no left padding: prompts are right-padded, pr
 at positions 0..P-1, and row b's first new token is written at position len_b, over the
 padding (a query at position p only reads keys at positions <= p, all written by then).
 
+Mixture-of-experts models decode too: the cache is per layer in model order, and a
+group's dense layers and MoE layer run in turn. The router sees the tokens of one call
+(the prompt at prefill, then one token per step), so the logits equal the full forward
+pass when no token is dropped (a capacity factor of at least num_experts / moe_top_k).
+
 Sampling: greedy (temperature 0), temperature, top-k, top-p; rows stop at a stop token.
 """
 
@@ -18,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlib.errors import ConfigError
-from shardlib.models.gpt import GPT, Block
+from shardlib.models.gpt import GPT, Block, BlockGroup
 from shardlib.models.layers import apply_rope, rope_tables
+from shardlib.models.moe import MoEMLP
 from shardlib.sharding import constrain
 
 CACHE_DIMS = ("act_batch", "act_kv_seq", "act_heads", "act_head_dim")
@@ -37,9 +42,6 @@ def init_cache(model: GPT, batch: int, length: int, dtype: jnp.dtype = jnp.float
                ) -> KVCache:
     """An empty cache for ``batch`` rows of up to ``length`` tokens."""
     cfg = model.cfg
-    if cfg.num_experts:
-        raise ConfigError(f"model.num_experts={cfg.num_experts}: KV-cache decoding supports "
-                          "dense models only; use train.generate's window path for MoE")
     shape = (cfg.num_layers, batch, length, cfg.kv_heads, cfg.head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
@@ -80,32 +82,67 @@ def block_step(block: Block, x_btd: jax.Array, pos_bt: jax.Array, k_bskh: jax.Ar
     if attn.use_bias:
         out_btd = out_btd + attn.b_o_d[...]
     x_btd = x_btd + out_btd
+    if isinstance(block.mlp, MoEMLP):  # routed over this call's T tokens of each row
+        return x_btd + block.mlp(block.mlp_norm(x_btd))[0], k_bskh, v_bskh
     return x_btd + block.mlp(block.mlp_norm(x_btd)), k_bskh, v_bskh
+
+
+def group_step(group: Block | BlockGroup, x_btd: jax.Array, pos_bt: jax.Array,
+               k_jbskh: jax.Array, v_jbskh: jax.Array
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer group (a dense model's layer, or an MoE model's dense layers then its MoE
+    layer) on new tokens; the caches hold the group's J layers, (J, B, S, KV, K)."""
+    blocks = [*group.dense, group.moe] if isinstance(group, BlockGroup) else [group]
+    ks, vs = [], []
+    for j, block in enumerate(blocks):
+        x_btd, k_bskh, v_bskh = block_step(block, x_btd, pos_bt, k_jbskh[j], v_jbskh[j])
+        ks, vs = ks + [k_bskh], vs + [v_bskh]
+    return x_btd, jnp.stack(ks), jnp.stack(vs)
 
 
 def forward_cached(model: GPT, tokens_bt: jax.Array, pos_bt: jax.Array, cache: KVCache
                    ) -> tuple[jax.Array, KVCache]:
     """Logits (B, T, vocab) of tokens at per-row consecutive positions ``pos_bt``, and
     the cache with their keys and values added."""
+    cfg = model.cfg
     x_btd = model.embed(tokens_bt)
-    if model.cfg.pos_embedding == "learned":
+    if cfg.pos_embedding == "learned":
         x_btd = x_btd + jnp.take(model.pos_td[...], pos_bt, axis=0)
-    if model.cfg.scan_layers:
-        graphdef, state = nnx.split(model.blocks)
+    first = cfg.moe_first_dense if cfg.num_experts else 0  # an MoE model's dense layers
+    every = cfg.moe_every if cfg.num_experts else 1  # layers per group (MoE: dense..., MoE)
+    stacks = [(model.dense_blocks, 1, slice(0, first))] if first else []
+    ks, vs = [], []
+    for blocks, size, layers in [*stacks, (model.blocks, every, slice(first, None))]:
+        x_btd, k, v = stack_step(blocks, cfg.scan_layers, size, x_btd, pos_bt,
+                                 cache.k[layers], cache.v[layers])
+        ks, vs = ks + [k], vs + [v]
+    k, v = (parts[0] if len(parts) == 1 else jnp.concatenate(parts) for parts in (ks, vs))
+    return model.head(x_btd), KVCache(k, v)
+
+
+def stack_step(blocks: nnx.Module, scanned: bool, every: int, x_btd: jax.Array,
+               pos_bt: jax.Array, k_lbskh: jax.Array, v_lbskh: jax.Array
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer stack (groups of ``every`` layers, scanned or listed) on new tokens;
+    the caches hold its L layers, (L, B, S, KV, K)."""
+    k_gj, v_gj = (c.reshape(c.shape[0] // every, every, *c.shape[1:])
+                  for c in (k_lbskh, v_lbskh))
+    if scanned:
+        graphdef, state = nnx.split(blocks)
 
         def body(x, layer):
-            state_l, k_l, v_l = layer
-            x, k_l, v_l = block_step(nnx.merge(graphdef, state_l), x, pos_bt, k_l, v_l)
-            return x, (k_l, v_l)
+            state_g, k_g, v_g = layer
+            x, k_g, v_g = group_step(nnx.merge(graphdef, state_g), x, pos_bt, k_g, v_g)
+            return x, (k_g, v_g)
 
-        x_btd, (k, v) = jax.lax.scan(body, x_btd, (state, cache.k, cache.v))
+        x_btd, (k_gj, v_gj) = jax.lax.scan(body, x_btd, (state, k_gj, v_gj))
     else:
         ks, vs = [], []
-        for i, block in enumerate(model.blocks):
-            x_btd, k_l, v_l = block_step(block, x_btd, pos_bt, cache.k[i], cache.v[i])
-            ks, vs = ks + [k_l], vs + [v_l]
-        k, v = jnp.stack(ks), jnp.stack(vs)
-    return model.head(x_btd), KVCache(k, v)
+        for g, group in enumerate(blocks):
+            x_btd, k_g, v_g = group_step(group, x_btd, pos_bt, k_gj[g], v_gj[g])
+            ks, vs = ks + [k_g], vs + [v_g]
+        k_gj, v_gj = jnp.stack(ks), jnp.stack(vs)
+    return x_btd, k_gj.reshape(k_lbskh.shape), v_gj.reshape(v_lbskh.shape)
 
 
 def sample(logits_bv: jax.Array, key: jax.Array, *, temperature: float = 0.0,

@@ -64,9 +64,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
-        x32 = x_btd.astype(jnp.float32)
-        rms = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-        return (x32 * rms * self.scale_d[...]).astype(x_btd.dtype)
+        return rms_norm(x_btd, self.scale_d[...], self.eps)
 
 
 class LayerNorm(nnx.Module):
@@ -137,8 +135,9 @@ class Attention(nnx.Module):
     def __init__(self, d_model: int, num_heads: int, *, std: float, out_std: float,
                  rope_theta: float | None, rngs: nnx.Rngs, num_kv_heads: int = 0,
                  bias: bool = False, qkv_bias: bool = False,
-                 rope_scaling: RopeScaling | None = None):
-        head_dim = d_model // num_heads
+                 rope_scaling: RopeScaling | None = None, qk_norm: bool = False,
+                 norm_eps: float = 1e-6, head_dim: int = 0):
+        head_dim = head_dim or d_model // num_heads  # Qwen3: wider than d_model / heads
         dhk = (d_model, num_heads, head_dim)
         kv_dhk = (d_model, num_kv_heads or num_heads, head_dim)  # GQA: fewer K/V heads
         self.w_q_dhk = param(rngs, normal(std), dhk, ("embed", "heads", "head_dim"))
@@ -153,8 +152,12 @@ class Attention(nnx.Module):
             self.b_v_hk = param(rngs, zeros, kv_dhk[1:], ("heads", "head_dim"))
         if bias:
             self.b_o_d = param(rngs, zeros, (d_model,), ("embed",))
+        if qk_norm:  # Qwen3: RMSNorm over each head of q and of k, one scale per head dim
+            ones = jax.nn.initializers.ones
+            self.q_norm_k = param(rngs, ones, (head_dim,), ("head_dim",))
+            self.k_norm_k = param(rngs, ones, (head_dim,), ("head_dim",))
         self.rope_theta, self.use_bias, self.qkv_bias = rope_theta, bias, bias or qkv_bias
-        self.rope_scaling = rope_scaling
+        self.rope_scaling, self.qk_norm, self.norm_eps = rope_scaling, qk_norm, norm_eps
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         heads = ("act_batch", "act_seq", "act_heads", "act_head_dim")
@@ -181,7 +184,8 @@ class Attention(nnx.Module):
         return constrain(out_btd, ("act_batch", "act_res_seq", "act_embed"))
 
     def project_qkv(self, x_btd: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q (B, T, H, K) and k, v (B, T, KV, K), biases added."""
+        """q (B, T, H, K) and k, v (B, T, KV, K), biases added, q and k head-normed
+        when ``qk_norm`` (before RoPE, which the caller applies)."""
         # One einsum for q, k, v: under TP their input gradients are summed before the one
         # all-reduce (Megatron's f), not all-reduced one by one.
         if self.w_k_dhk.shape == self.w_q_dhk.shape:
@@ -195,7 +199,17 @@ class Attention(nnx.Module):
         if self.qkv_bias:
             q_bthk, k_bthk, v_bthk = (q_bthk + self.b_q_hk[...], k_bthk + self.b_k_hk[...],
                                       v_bthk + self.b_v_hk[...])
+        if self.qk_norm:
+            q_bthk = rms_norm(q_bthk, self.q_norm_k[...], self.norm_eps)
+            k_bthk = rms_norm(k_bthk, self.k_norm_k[...], self.norm_eps)
         return q_bthk, k_bthk, v_bthk
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """``x`` over its last dim divided by its root mean square, times ``scale``; in fp32."""
+    x32 = x.astype(jnp.float32)
+    rms = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return (x32 * rms * scale).astype(x.dtype)
 
 
 def linear(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:

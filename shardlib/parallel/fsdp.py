@@ -97,6 +97,8 @@ def weight_gatherer(rules: Rules, sizes: Mapping[str, int],
 
     def one(var: nnx.Variable) -> nnx.Variable:
         value = jax.lax.pcast(var[...], replicas, to="varying") if replicas else var[...]
+        if not isinstance(var, nnx.Param):  # model state (a router bias): as it is
+            return var.replace(value=value)
         logical = tuple(var.get_metadata().get("logical") or ())
         dims = logical[len(logical) - value.ndim:] if value.ndim else ()
         dim = gather_dim(logical_to_spec(dims, rules, sizes)) if len(dims) == value.ndim \

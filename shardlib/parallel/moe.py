@@ -9,7 +9,8 @@ mesh axis::
     device j: x_becd (b, E, C, d)    rows of device j, slots of every expert
         all-to-all over expert: split E into X pieces, piece i -> device i, concat rows
     device j: x_becd (X b, E/X, C, d)  rows of every device, slots of j's experts
-        expert MLP: gelu(x @ w_in_edf) @ w_out_efd   (E/X local experts)
+        expert MLP: act(x @ w_in_edf) @ w_out_efd, or gated
+                    (act(x @ w_gate_edf) * (x @ w_in_edf)) @ w_out_efd   (E/X local experts)
         all-to-all back: split rows into X pieces, piece i -> device i, concat experts
     device j: y_becd (b, E, C, d)    its own rows again, every expert's output
 
@@ -31,7 +32,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from shardlib import collectives
 from shardlib.errors import ShardingError
-from shardlib.models.moe import local_ffn
+from shardlib.models.moe import expert_hidden, local_ffn
 from shardlib.sharding import Rules, active_rules, logical_to_spec
 
 KEEP_SPLIT = {"expert": {"expert"}, "mlp": {"tensor"}}
@@ -41,8 +42,11 @@ W_IN_DIMS, W_OUT_DIMS = ("expert", "embed", "mlp"), ("expert", "mlp", "embed")
 
 
 def expert_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array,
-               local: Callable[..., jax.Array] = local_ffn) -> jax.Array:
-    """Every expert's GELU MLP on its capacity slots: (B, E, C, d) -> (B, E, C, d).
+               local: Callable[..., jax.Array] = local_ffn,
+               w_gate_edf: jax.Array | None = None, *,
+               activation: str = "gelu_tanh") -> jax.Array:
+    """Every expert's MLP (gated with ``w_gate_edf``) on its capacity slots:
+    (B, E, C, d) -> (B, E, C, d).
 
     Expert-parallel (all-to-all over ``expert``) when the enclosing ``activation_rules``
     mesh has ``expert`` > 1; otherwise ``local``, one computation that XLA partitions.
@@ -50,8 +54,9 @@ def expert_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array,
     active = active_rules()
     inside_map = bool(jax.sharding.get_abstract_mesh().manual_axes)
     if active is None or inside_map or active[0].shape.get("expert", 1) == 1:
-        return local(x_becd, w_in_edf, w_out_efd)
-    return expert_parallel_ffn(x_becd, w_in_edf, w_out_efd, mesh=active[0], rules=active[1])
+        return local(x_becd, w_in_edf, w_out_efd, w_gate_edf, activation=activation)
+    return expert_parallel_ffn(x_becd, w_in_edf, w_out_efd, w_gate_edf, mesh=active[0],
+                               rules=active[1], activation=activation)
 
 
 def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -78,8 +83,9 @@ def weight_plan(logical: tuple[str, ...], rules: Rules,
     return spec, gathers
 
 
-def expert_parallel_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array, *,
-                        mesh: Mesh, rules: Rules) -> jax.Array:
+def expert_parallel_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array,
+                        w_gate_edf: jax.Array | None = None, *, mesh: Mesh, rules: Rules,
+                        activation: str = "gelu_tanh") -> jax.Array:
     """``local_ffn`` with the experts split over ``expert``: all-to-all the capacity
     buffers to the experts' devices, run them, all-to-all the outputs back."""
     sizes = dict(mesh.shape)
@@ -95,10 +101,12 @@ def expert_parallel_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.A
     x_spec = PartitionSpec(batch if len(batch) > 1 else batch[0])
     weight_axes = {a for entry in in_spec for a in _axes(entry)}
     body = partial(_local_experts, in_gathers=in_gathers, out_gathers=out_gathers,
-                   hidden_axes=_axes(in_spec[2]),
+                   hidden_axes=_axes(in_spec[2]), activation=activation,
                    replica_axes=tuple(a for a in batch if a not in weight_axes))
-    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, in_spec, out_spec),
-                         out_specs=x_spec)(x_becd, w_in_edf, w_out_efd)
+    gate = () if w_gate_edf is None else (w_gate_edf,)  # the gate is split as w_in
+    in_specs = (x_spec, in_spec, out_spec, *(in_spec for _ in gate))
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs,
+                         out_specs=x_spec)(x_becd, w_in_edf, w_out_efd, *gate)
 
 
 def _gather(w: jax.Array, gathers: list[tuple[int, tuple]]) -> jax.Array:
@@ -107,19 +115,22 @@ def _gather(w: jax.Array, gathers: list[tuple[int, tuple]]) -> jax.Array:
     return w
 
 
-def _local_experts(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array, *,
-                   in_gathers: list, out_gathers: list, hidden_axes: tuple[str, ...],
-                   replica_axes: tuple[str, ...]) -> jax.Array:
+def _local_experts(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array,
+                   w_gate_edf: jax.Array | None = None, *, in_gathers: list,
+                   out_gathers: list, hidden_axes: tuple[str, ...],
+                   replica_axes: tuple[str, ...], activation: str = "gelu_tanh") -> jax.Array:
     """One device: its rows' buffers in, its experts' slots computed, its rows back out.
 
     The weights are marked varying over the batch axes that replicate them (``data``)
     before the fsdp gather, so their gradient is reduce-scattered over fsdp first and
     only the shard is all-reduced over data (as in ``parallel.fsdp``)."""
     if replica_axes:
-        w_in_edf, w_out_efd = jax.lax.pcast((w_in_edf, w_out_efd), replica_axes, to="varying")
+        w_in_edf, w_out_efd, w_gate_edf = jax.lax.pcast((w_in_edf, w_out_efd, w_gate_edf),
+                                                        replica_axes, to="varying")
     w_in_edf, w_out_efd = _gather(w_in_edf, in_gathers), _gather(w_out_efd, out_gathers)
+    w_gate_edf = None if w_gate_edf is None else _gather(w_gate_edf, in_gathers)
     x_becd = collectives.all_to_all(x_becd, "expert", split_dim=1, concat_dim=0)  # (X b, E/X..)
-    h_becf = jax.nn.gelu(jnp.einsum("becd,edf->becf", x_becd, w_in_edf))
+    h_becf = expert_hidden("becd,edf->becf", x_becd, w_in_edf, w_gate_edf, activation)
     y_becd = jnp.einsum("becf,efd->becd", h_becf, w_out_efd)
     if hidden_axes:  # row-parallel out-projection: sum the partial outputs
         y_becd = collectives.all_reduce(y_becd, hidden_axes)

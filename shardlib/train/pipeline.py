@@ -133,8 +133,15 @@ def _check_moe(config: Config, sizes: Mapping[str, int]) -> None:
     experts' tensor split run in shard_maps of their own (``parallel.moe``, or XLA's
     partitioner), which cannot sit inside the stages' shard_map; and its capacity is per
     sequence, so a sequence split over ``sequence`` would route differently."""
-    if not config.model.num_experts:
+    model = config.model
+    if not model.num_experts:
         return
+    if model.moe_first_dense or model.moe_bias_rate > 0:
+        field = "moe_first_dense" if model.moe_first_dense else "moe_bias_rate"
+        raise ConfigError(
+            f"model.{field}={getattr(model, field)} with pipeline={sizes[AXIS]}: the stages "
+            "split one stack of identical MoE layer groups and report no per-expert load, "
+            f"so set model.{field}=0 (use moe_aux_weight for balance) or pipeline=1")
     others = [f"{axis}={sizes[axis]}" for axis in ("expert", "tensor", SEQ_AXIS)
               if sizes.get(axis, 1) > 1]
     if others:
