@@ -27,7 +27,8 @@ from shardlib.train.state import build_setup, init_state, named_tree, param_spec
 from shardlib.train.step import make_train_step
 from tests.helpers import relative_error, tiny_config
 
-MOE = {"num_experts": 8, "moe_every": 2, "d_ff": 128}  # tiny GPT: layer 1 dense, layer 2 MoE
+# tiny GPT: layer 1 dense, layer 2 MoE; capacity routing (its dropping is asserted below)
+MOE = {"num_experts": 8, "moe_every": 2, "d_ff": 128, "moe_dispatch": "capacity"}
 TOL = 1e-5
 
 
@@ -77,9 +78,12 @@ def test_routing_matches_numpy_reference(top_k):
 
 # --- the expert-parallel layer against the dense reference ----------------------------
 
-LAYER = ModelConfig(d_model=16, d_ff=32, num_experts=8, moe_top_k=2)
+LAYER = ModelConfig(d_model=16, d_ff=32, num_experts=8, moe_top_k=2, moe_dispatch="capacity")
 BATCH, SEQ = 8, 16
-CAPACITY_FACTORS = {"dropping": 0.5, "no-drop": 4.0}  # 2 and 16 (= SEQ) slots per expert
+LAYERS = {"dropping": {"moe_capacity_factor": 0.5},  # 2 slots per expert
+          "no-drop": {"moe_capacity_factor": 4.0},  # 16 (= SEQ) slots per expert
+          "dropless": {"moe_dispatch": "dropless"},
+          "dropless-e64-k4": {"moe_dispatch": "dropless", "num_experts": 64, "moe_top_k": 4}}
 
 
 def layer_grads(graphdefs: dict[str, nnx.GraphDef], method: str):
@@ -100,11 +104,10 @@ def layer_grads(graphdefs: dict[str, nnx.GraphDef], method: str):
 
 @pytest.fixture(scope="module")
 def layer_case():
-    """Two MoE layers (with and without dropping), inputs, and their dense reference
-    results on one device."""
-    layers = {name: partial(MoEMLP, dataclasses.replace(LAYER, moe_capacity_factor=factor),
-                            std=0.3, out_std=0.3)
-              for name, factor in CAPACITY_FACTORS.items()}
+    """MoE layers (capacity with and without dropping, dropless with 8 and 64 experts),
+    inputs, and their dense reference results on one device."""
+    layers = {name: partial(MoEMLP, dataclasses.replace(LAYER, **changes), std=0.3, out_std=0.3)
+              for name, changes in LAYERS.items()}
     graphdefs = {name: nnx.graphdef(nnx.eval_shape(lambda m=m: m(rngs=nnx.Rngs(0))))
                  for name, m in layers.items()}
 
@@ -140,7 +143,7 @@ def test_expert_parallel_layer_equals_dense_reference(layer_case, degrees):
         params, x_btd, r_btd).compile()
     assert ("all-to-all" in compiled.as_text()) == (sizes["expert"] > 1)
     got = jax.device_get(compiled(params, x_btd, r_btd))
-    for case in CAPACITY_FACTORS:
+    for case in LAYERS:
         (value, (out, stats)), (g_params, g_x) = got[case]
         (ref_value, (ref_out, ref_stats)), (ref_g_params, ref_g_x) = ref[case]
         assert relative_error(out, ref_out) < TOL and relative_error(g_x, ref_g_x) < TOL, case

@@ -13,6 +13,10 @@ puts each kept token in its expert slot, ``y_btd = y_becd . combine_btec`` weigh
 expert outputs by their gates. ``hooks.expert_ffn`` runs the experts (``local_ffn``, or
 ``parallel.moe``'s dispatch, with an all-to-all over the ``expert`` axis when the experts
 are split over devices).
+
+That is ``model.moe_dispatch="capacity"``. The default, ``"dropless"``, keeps every
+assignment: ``hooks.dropless_ffn`` sorts them by expert and runs the experts as grouped
+matmuls (``models.grouped``; ``parallel.moe`` when the experts are split over devices).
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ from flax import nnx
 from shardlib import hooks
 from shardlib.config import ModelConfig
 from shardlib.errors import ConfigError
+from shardlib.models.grouped import dropless_ffn
 from shardlib.models.layers import call_gathered, normal, param
-from shardlib.sharding import constrain
+from shardlib.sharding import compute_platform, constrain
 
+DISPATCHES = ("dropless", "capacity")
 MoEStats = dict[str, jax.Array]
 """Per MoE layer: ``aux_loss``, ``z_loss``, ``dropped_frac`` (scalars), ``load_e`` (E,)."""
 
@@ -68,6 +74,34 @@ def route(logits_bte: jax.Array, *, top_k: int, capacity: int) -> Routing:
     combine_btec = jnp.einsum("btk,btkec->btec", gates_btk, slot_btkec)
     return Routing(dispatch_btec, combine_btec, router_stats(logits_bte, probs_bte,
                                                              choice_btke, keep_bne))
+
+
+def route_dropless(logits_bte: jax.Array, *, top_k: int
+                   ) -> tuple[jax.Array, jax.Array, MoEStats]:
+    """Top-k gating as ``route`` without capacity: each token's experts ``experts_btk``
+    (int32, best first), their gates ``gates_btk`` (fp32) and the statistics (none dropped)."""
+    b, t, e = logits_bte.shape
+    logits_bte = logits_bte.astype(jnp.float32)
+    probs_bte = jax.nn.softmax(logits_bte, axis=-1)
+    choice_btke = top_k_choices(probs_bte, top_k)
+    gates_btk = jnp.einsum("bte,btke->btk", probs_bte, choice_btke)
+    if top_k > 1:
+        gates_btk = gates_btk / jnp.sum(gates_btk, axis=-1, keepdims=True)
+    experts_btk = jnp.argmax(choice_btke, axis=-1).astype(jnp.int32)
+    keep_bne = choice_btke.reshape(b, t * top_k, e)
+    return experts_btk, gates_btk, router_stats(logits_bte, probs_bte, choice_btke, keep_bne)
+
+
+def local_dropless(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: jax.Array,
+                   w_in_edf: jax.Array, w_gate_edf: jax.Array | None, w_out_efd: jax.Array, *,
+                   activation) -> jax.Array:
+    """Dropless experts over all the tokens on hand, with the compiled-for platform's
+    grouped matmul (``models.grouped``)."""
+    b, t, d = x_btd.shape
+    y_nd = dropless_ffn(x_btd.reshape(b * t, d), experts_btk.reshape(b * t, -1),
+                        gates_btk.reshape(b * t, -1), w_in_edf, w_gate_edf, w_out_efd,
+                        activation=activation, platform=compute_platform())
+    return y_nd.reshape(b, t, d)
 
 
 def top_k_choices(probs_bte: jax.Array, top_k: int) -> jax.Array:
@@ -121,6 +155,20 @@ class MoEMLP(nnx.Module):
         self.w_out_efd = param(rngs, normal(out_std), (e, f, d), ("expert", "mlp", "embed"))
         self.top_k = cfg.moe_top_k
         self.capacity_factor = cfg.moe_capacity_factor
+        self.dispatch = cfg.moe_dispatch
+
+    def logits(self, x_btd: jax.Array) -> jax.Array:
+        """Router logits in fp32: (B, T, E)."""
+        w_de = self.w_router_de[...].astype(jnp.float32)
+        return jnp.einsum("btd,de->bte", x_btd.astype(jnp.float32), w_de)
+
+    def dropless(self, x_btd: jax.Array) -> tuple[jax.Array, MoEStats]:
+        """Every assignment through its expert (sorted, grouped matmuls, unsorted)."""
+        experts_btk, gates_btk, stats = route_dropless(self.logits(x_btd), top_k=self.top_k)
+        out_btd = hooks.dropless_ffn(x_btd, experts_btk, gates_btk, self.w_in_edf[...], None,
+                                     self.w_out_efd[...], activation=jax.nn.gelu,
+                                     local=local_dropless)
+        return constrain(out_btd, ("act_batch", "act_res_seq", "act_embed")), stats
 
     def route(self, x_btd: jax.Array) -> Routing:
         """Router logits in fp32, then top-k gating with this sequence length's capacity."""
@@ -130,6 +178,8 @@ class MoEMLP(nnx.Module):
         return route(logits_bte, top_k=self.top_k, capacity=slots)
 
     def __call__(self, x_btd: jax.Array) -> tuple[jax.Array, MoEStats]:
+        if self.dispatch == "dropless":
+            return self.dropless(x_btd)
         routing = self.route(x_btd)
         x_becd = jnp.einsum("btd,btec->becd", x_btd, routing.dispatch_btec.astype(x_btd.dtype))
         y_becd = hooks.expert_ffn(x_becd, self.w_in_edf[...], self.w_out_efd[...],
@@ -139,10 +189,16 @@ class MoEMLP(nnx.Module):
 
     def reference(self, x_btd: jax.Array) -> tuple[jax.Array, MoEStats]:
         """The same layer computed densely (every token through every expert, masked)."""
-        routing = self.route(x_btd)
-        weight_bte = jnp.sum(routing.combine_btec, axis=-1).astype(x_btd.dtype)
-        return dense_experts(x_btd, weight_bte, self.w_in_edf[...],
-                             self.w_out_efd[...]), routing.stats
+        if self.dispatch == "dropless":
+            experts_btk, gates_btk, stats = route_dropless(self.logits(x_btd), top_k=self.top_k)
+            num_experts = self.w_router_de.shape[1]
+            weight_bte = jnp.einsum("btk,btke->bte", gates_btk,
+                                    jax.nn.one_hot(experts_btk, num_experts))
+        else:
+            routing = self.route(x_btd)
+            weight_bte, stats = jnp.sum(routing.combine_btec, axis=-1), routing.stats
+        return dense_experts(x_btd, weight_bte.astype(x_btd.dtype), self.w_in_edf[...],
+                             self.w_out_efd[...]), stats
 
 
 def dense_experts(x_btd: jax.Array, weight_bte: jax.Array, w_in_edf: jax.Array,
@@ -188,6 +244,8 @@ def check_moe(cfg: ModelConfig, sizes: Mapping[str, int] | None = None) -> None:
     if cfg.moe_every < 1 or cfg.num_layers % cfg.moe_every:
         raise ConfigError(f"model.moe_every={cfg.moe_every} must be >= 1 and divide "
                           f"model.num_layers={cfg.num_layers}")
+    if cfg.moe_dispatch not in DISPATCHES:
+        raise ConfigError(f"model.moe_dispatch={cfg.moe_dispatch!r}: use one of {DISPATCHES}")
     if not cfg.moe_capacity_factor > 0:
         raise ConfigError(f"model.moe_capacity_factor={cfg.moe_capacity_factor} must be > 0")
     if experts % ep:

@@ -31,13 +31,15 @@ from jax.sharding import Mesh, PartitionSpec
 
 from shardlib import collectives
 from shardlib.errors import ShardingError
+from shardlib.models.grouped import expert_rows
 from shardlib.models.moe import local_ffn
-from shardlib.sharding import Rules, active_rules, logical_to_spec
+from shardlib.sharding import Rules, active_rules, compute_platform, logical_to_spec
 
 KEEP_SPLIT = {"expert": {"expert"}, "mlp": {"tensor"}}
 """Inside the map, these logical dims of the expert weights stay split over these axes;
 every other split (e.g. ``embed`` over ``fsdp``) is all-gathered first."""
 W_IN_DIMS, W_OUT_DIMS = ("expert", "embed", "mlp"), ("expert", "mlp", "embed")
+Activation = Callable[[jax.Array], jax.Array]
 
 
 def expert_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array,
@@ -72,7 +74,7 @@ def weight_plan(logical: tuple[str, ...], rules: Rules,
             raise ShardingError(f"rule {name}={'+'.join(axes)}: expert parallelism keeps "
                                 f"{name} split over {sorted(keep)} only; drop the other axes")
         gathers.append((dim, axes))
-    if _axes(spec[0]) != ("expert",):
+    if sizes.get("expert", 1) > 1 and _axes(spec[0]) != ("expert",):
         raise ShardingError(f"rule expert={'+'.join(_axes(spec[0])) or 'none'}: with mesh "
                             "expert > 1 the experts must be split over exactly the expert axis")
     return spec, gathers
@@ -125,3 +127,114 @@ def _local_experts(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array,
         y_becd = collectives.all_reduce(y_becd, hidden_axes)
     return collectives.all_to_all(y_becd, "expert", split_dim=0, concat_dim=1)  # (b, E, C, d)
 
+
+
+# --- dropless: per-device sorting, padded all-to-all of (token, choice) rows -------------
+
+
+def dropless_ffn(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: jax.Array,
+                 w_in_edf: jax.Array, w_gate_edf: jax.Array | None, w_out_efd: jax.Array, *,
+                 activation: Activation, local: Callable[..., jax.Array]) -> jax.Array:
+    """Dropless experts, (B, T, d) -> (B, T, d). Under an ``activation_rules`` mesh, a
+    ``shard_map`` gives each device its own rows to sort (a sort of the whole batch would
+    gather it) and, with ``expert`` > 1, sends each row to its expert's device and back."""
+    args = (x_btd, experts_btk, gates_btk, w_in_edf, w_gate_edf, w_out_efd)
+    active = active_rules()
+    inside_map = bool(jax.sharding.get_abstract_mesh().manual_axes)
+    if active is None or inside_map or active[0].devices.size == 1:
+        return local(*args, activation=activation)
+    return dropless_parallel_ffn(*args, activation=activation, local=local, mesh=active[0],
+                                 rules=active[1])
+
+
+def dropless_parallel_ffn(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: jax.Array,
+                          w_in_edf: jax.Array, w_gate_edf: jax.Array | None,
+                          w_out_efd: jax.Array, *, activation: Activation,
+                          local: Callable[..., jax.Array], mesh: Mesh,
+                          rules: Rules) -> jax.Array:
+    """``local`` per device over its rows, the experts' weights split as the expert path
+    keeps them (``weight_plan``); the rows all-to-all'd over ``expert`` when it is > 1."""
+    sizes = dict(mesh.shape)
+    batch = _axes(logical_to_spec(("act_batch",), rules, sizes, name="moe tokens")[0])
+    if sizes.get("expert", 1) > 1 and "expert" not in batch:
+        raise ShardingError(f"rule act_batch={'+'.join(batch) or 'none'}: expert parallelism "
+                            "needs the batch split over the expert axis too; add expert")
+    in_spec, in_gathers = weight_plan(W_IN_DIMS, rules, sizes)
+    out_spec, out_gathers = weight_plan(W_OUT_DIMS, rules, sizes)
+    if set(batch) & set(_axes(in_spec[2])):
+        raise ShardingError(f"rules act_batch and mlp share mesh axes {_axes(in_spec[2])}; "
+                            "split the batch and the experts' hidden dim over different axes")
+    gated = w_gate_edf is not None
+    weights = (w_in_edf, w_out_efd) + ((w_gate_edf,) if gated else ())
+    x_spec = PartitionSpec(batch or None)
+    weight_axes = {a for entry in in_spec for a in _axes(entry)}
+    body = partial(_dropless_local, gathers=(in_gathers, out_gathers) + ((in_gathers,) * gated),
+                   hidden_axes=_axes(in_spec[2]), activation=activation, local=local,
+                   replica_axes=tuple(a for a in batch if a not in weight_axes),
+                   expert_parallel=sizes.get("expert", 1) > 1, platform=compute_platform())
+    specs = (x_spec,) * 3 + (in_spec, out_spec) + ((in_spec,) * gated)
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=x_spec)(
+        x_btd, experts_btk, gates_btk, *weights)
+
+
+def _dropless_local(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: jax.Array,
+                    *weights: jax.Array, gathers: tuple, hidden_axes: tuple[str, ...],
+                    replica_axes: tuple[str, ...], activation: Activation,
+                    local: Callable[..., jax.Array], expert_parallel: bool,
+                    platform: str) -> jax.Array:
+    """One device: its weights made whole but for the kept splits (as ``_local_experts``),
+    its rows through their experts (here, or on the experts' devices), summed over
+    ``tensor`` when the hidden dim is split there."""
+    if replica_axes:
+        weights = jax.lax.pcast(weights, replica_axes, to="varying")
+    weights = [_gather(w, g) for w, g in zip(weights, gathers, strict=True)]
+    w_in_edf, w_out_efd, w_gate_edf = (*weights, None)[:3]
+    if expert_parallel:
+        b, t, d = x_btd.shape
+        k = experts_btk.shape[-1]
+        y_ad = exchanged_rows(x_btd.reshape(b * t, d), experts_btk.reshape(b * t * k),
+                              w_in_edf, w_gate_edf, w_out_efd, copies=k,
+                              activation=activation, platform=platform)
+        y_btkd = y_ad.reshape(b, t, k, d)
+        y_btd = jnp.einsum("btkd,btk->btd", y_btkd, gates_btk.astype(y_btkd.dtype))
+    else:
+        y_btd = local(x_btd, experts_btk, gates_btk, w_in_edf, w_gate_edf, w_out_efd,
+                      activation=activation)
+    if hidden_axes:  # row-parallel out-projection: sum the partial outputs
+        y_btd = collectives.all_reduce(y_btd, hidden_axes)
+    return y_btd
+
+
+def exchanged_rows(x_nd: jax.Array, experts_a: jax.Array, w_in_edf: jax.Array,
+                   w_gate_edf: jax.Array | None, w_out_efd: jax.Array, *, copies: int,
+                   activation: Activation, platform: str) -> jax.Array:
+    """Row ``a``: token ``a // copies`` through expert ``experts_a[a]``, which lives on
+    device ``experts_a[a] // E_local`` of ``expert``.
+
+    Padded all-to-all: the rows for each device go in a buffer of ``A`` slots (``A`` the
+    device's own assignments, the dropless worst case of all of them choosing one device's
+    experts), so nothing is ever dropped; empty slots carry expert id ``E_local`` (none)
+    and cost no expert compute. Buffers: (X, A, d) sent and received each way."""
+    num_local, rows = w_in_edf.shape[0], experts_a.shape[0]
+    devices = jax.lax.axis_size("expert")
+    order_a = jnp.argsort(experts_a, stable=True)
+    sorted_a = experts_a[order_a]
+    dest_a = sorted_a // num_local
+    count_x = jnp.zeros(devices, jnp.int32).at[dest_a].add(1)
+    start_x = jnp.cumsum(count_x) - count_x
+    slot_s = jnp.arange(rows)
+    used_xs = slot_s < count_x[:, None]  # (X, A)
+    src_xs = jnp.minimum(start_x[:, None] + slot_s, rows - 1)  # sorted row in each slot
+    send_xsd = jnp.where(used_xs[..., None], jnp.take(x_nd, order_a[src_xs] // copies, axis=0), 0)
+    local_xs = sorted_a[src_xs] - jnp.arange(devices)[:, None] * num_local
+    send_xs = jnp.where(used_xs, local_xs, num_local).astype(jnp.int32)
+    recv_xsd = collectives.all_to_all(send_xsd, "expert", split_dim=0, concat_dim=0)
+    recv_xs = collectives.all_to_all(send_xs, "expert", split_dim=0, concat_dim=0)
+    y_rd = expert_rows(recv_xsd.reshape(devices * rows, -1), recv_xs.reshape(-1), w_in_edf,
+                       w_gate_edf, w_out_efd, copies=1, activation=activation,
+                       platform=platform)
+    back_xsd = collectives.all_to_all(y_rd.reshape(devices, rows, -1), "expert",
+                                      split_dim=0, concat_dim=0)
+    y_sorted_ad = back_xsd[dest_a, slot_s - start_x[dest_a]]
+    inverse_a = jnp.zeros_like(order_a).at[order_a].set(slot_s)
+    return jnp.take(y_sorted_ad, inverse_a, axis=0)
