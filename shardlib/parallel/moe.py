@@ -24,9 +24,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.lax import ragged_all_to_all
 from jax.sharding import Mesh, PartitionSpec
 
 from shardlib import collectives
@@ -205,36 +207,86 @@ def _dropless_local(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: jax.Arr
     return y_btd
 
 
-def exchanged_rows(x_nd: jax.Array, experts_a: jax.Array, w_in_edf: jax.Array,
-                   w_gate_edf: jax.Array | None, w_out_efd: jax.Array, *, copies: int,
-                   activation: Activation, platform: str) -> jax.Array:
-    """Row ``a``: token ``a // copies`` through expert ``experts_a[a]``, which lives on
-    device ``experts_a[a] // E_local`` of ``expert``.
+class Sorted(NamedTuple):
+    """One device's assignments sorted by expert, hence by the device that holds it."""
 
-    Padded all-to-all: the rows for each device go in a buffer of ``A`` slots (``A`` the
-    device's own assignments, the dropless worst case of all of them choosing one device's
-    experts), so nothing is ever dropped; empty slots carry expert id ``E_local`` (none)
-    and cost no expert compute. Buffers: (X, A, d) sent and received each way."""
-    num_local, rows = w_in_edf.shape[0], experts_a.shape[0]
-    devices = jax.lax.axis_size("expert")
+    order_a: jax.Array  # assignment in each sorted position
+    local_a: jax.Array  # its expert's index on that device
+    dest_a: jax.Array  # that device
+    count_x: jax.Array  # (X,) assignments for each device
+    start_x: jax.Array  # (X,) first sorted position of each device's
+
+
+def sort_by_device(experts_a: jax.Array, num_local: int, devices: int) -> Sorted:
+    """Sort a device's assignments by expert; experts ``[j E_local, (j+1) E_local)`` live
+    on device ``j`` of ``expert``."""
     order_a = jnp.argsort(experts_a, stable=True)
     sorted_a = experts_a[order_a]
     dest_a = sorted_a // num_local
     count_x = jnp.zeros(devices, jnp.int32).at[dest_a].add(1)
-    start_x = jnp.cumsum(count_x) - count_x
-    slot_s = jnp.arange(rows)
-    used_xs = slot_s < count_x[:, None]  # (X, A)
-    src_xs = jnp.minimum(start_x[:, None] + slot_s, rows - 1)  # sorted row in each slot
-    send_xsd = jnp.where(used_xs[..., None], jnp.take(x_nd, order_a[src_xs] // copies, axis=0), 0)
-    local_xs = sorted_a[src_xs] - jnp.arange(devices)[:, None] * num_local
-    send_xs = jnp.where(used_xs, local_xs, num_local).astype(jnp.int32)
+    return Sorted(order_a, (sorted_a - dest_a * num_local).astype(jnp.int32), dest_a, count_x,
+                  jnp.cumsum(count_x) - count_x)
+
+
+def exchanged_rows(x_nd: jax.Array, experts_a: jax.Array, w_in_edf: jax.Array,
+                   w_gate_edf: jax.Array | None, w_out_efd: jax.Array, *, copies: int,
+                   activation: Activation, platform: str) -> jax.Array:
+    """Row ``a``: token ``a // copies`` through expert ``experts_a[a]``, which lives on
+    device ``experts_a[a] // E_local`` of ``expert``; the rows travel there and back by
+    ``ragged_all_to_all`` on TPU, by a padded all-to-all elsewhere (XLA CPU has no ragged
+    one). Either way a device receives into ``X A`` rows (``A`` its own assignments: the
+    dropless worst case is every device sending all of its rows to one), so nothing is
+    dropped; unused rows carry expert id ``E_local`` (none) and cost no expert compute."""
+    num_local = w_in_edf.shape[0]
+    devices = jax.lax.axis_size("expert")
+    rows = sort_by_device(experts_a, num_local, devices)
+    x_ad = jnp.take(x_nd, rows.order_a // copies, axis=0)  # (A, d) sorted by expert
+
+    def experts_fn(x_rd: jax.Array, local_r: jax.Array) -> jax.Array:
+        return expert_rows(x_rd, local_r, w_in_edf, w_gate_edf, w_out_efd, copies=1,
+                           activation=activation, platform=platform)
+
+    exchange = ragged_exchange if platform == "tpu" else padded_exchange
+    y_sorted_ad = exchange(x_ad, rows, experts_fn, num_local)
+    inverse_a = jnp.zeros_like(rows.order_a).at[rows.order_a].set(jnp.arange(x_ad.shape[0]))
+    return jnp.take(y_sorted_ad, inverse_a, axis=0)
+
+
+def padded_exchange(x_ad: jax.Array, rows: Sorted, experts_fn: Callable,
+                    num_local: int) -> jax.Array:
+    """Sorted rows to their devices in (X, A) slot buffers, through ``experts_fn`` there,
+    and back: three all-to-alls forward (rows, expert ids, outputs), two backward."""
+    devices, size = rows.count_x.shape[0], x_ad.shape[0]
+    slot_s = jnp.arange(size)
+    used_xs = slot_s < rows.count_x[:, None]  # (X, A)
+    src_xs = jnp.minimum(rows.start_x[:, None] + slot_s, size - 1)  # sorted row per slot
+    send_xsd = jnp.where(used_xs[..., None], x_ad[src_xs], 0)
+    send_xs = jnp.where(used_xs, rows.local_a[src_xs], num_local)
     recv_xsd = collectives.all_to_all(send_xsd, "expert", split_dim=0, concat_dim=0)
     recv_xs = collectives.all_to_all(send_xs, "expert", split_dim=0, concat_dim=0)
-    y_rd = expert_rows(recv_xsd.reshape(devices * rows, -1), recv_xs.reshape(-1), w_in_edf,
-                       w_gate_edf, w_out_efd, copies=1, activation=activation,
-                       platform=platform)
-    back_xsd = collectives.all_to_all(y_rd.reshape(devices, rows, -1), "expert",
+    y_rd = experts_fn(recv_xsd.reshape(devices * size, -1), recv_xs.reshape(-1))
+    back_xsd = collectives.all_to_all(y_rd.reshape(devices, size, -1), "expert",
                                       split_dim=0, concat_dim=0)
-    y_sorted_ad = back_xsd[dest_a, slot_s - start_x[dest_a]]
-    inverse_a = jnp.zeros_like(order_a).at[order_a].set(slot_s)
-    return jnp.take(y_sorted_ad, inverse_a, axis=0)
+    return back_xsd[rows.dest_a, slot_s - rows.start_x[rows.dest_a]]
+
+
+def ragged_exchange(x_ad: jax.Array, rows: Sorted, experts_fn: Callable,
+                    num_local: int) -> jax.Array:
+    """As ``padded_exchange`` with ``ragged_all_to_all``: only the used rows travel, and a
+    device's received rows are packed by source in its (X A)-row buffer."""
+    devices, size = rows.count_x.shape[0], x_ad.shape[0]
+    me = jax.lax.axis_index("expert")
+    count_xx = collectives.all_gather(rows.count_x[None], "expert", dim=0)  # [src, dst]
+    before_xx = jnp.cumsum(count_xx, axis=0) - count_xx  # rows from earlier sources
+    recv_x, recv_start_x = count_xx[:, me], before_xx[:, me]
+    land_x = before_xx[me]  # where my rows start in each device's buffer
+
+    def there(operand, fill):
+        buffer = jnp.full((devices * size, *operand.shape[1:]), fill, operand.dtype)
+        return ragged_all_to_all(operand, buffer, rows.start_x, rows.count_x, land_x, recv_x,
+                                 axis_name="expert")
+
+    y_rd = experts_fn(there(x_ad, 0), there(rows.local_a, num_local))
+    home_x = (jnp.cumsum(count_xx, axis=1) - count_xx)[:, me]  # my block's start at each src
+    return ragged_all_to_all(y_rd, jnp.zeros_like(x_ad), recv_start_x, recv_x, home_x,
+                             rows.count_x, axis_name="expert")
