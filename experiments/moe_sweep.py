@@ -97,8 +97,9 @@ def sweep_point(experts: int, expert_axis: int, timed_steps: int) -> dict:
 
 def layer_step(experts: int, top_k: int, dispatch: str, seq: int, devices: list,
                dtype: jnp.dtype) -> tuple:
-    """One MoE layer's loss and gradients on ``data=8`` over ``devices`` (one sequence of
-    ``seq`` tokens each): (jitted function, abstract params, abstract input)."""
+    """One MoE layer's loss and its gradient for the layer's input on ``data=8`` over
+    ``devices`` (one sequence of ``seq`` tokens each): (jitted function, abstract params,
+    abstract input)."""
     model = ModelConfig(d_model=256, d_ff=512, num_experts=experts, moe_top_k=top_k,
                         moe_dispatch=dispatch)
     mesh = make_mesh({"data": 8}, devices)
@@ -115,8 +116,10 @@ def layer_step(experts: int, top_k: int, dispatch: str, seq: int, devices: list,
             out_btd, stats = nnx.merge(graphdef, params)(x_btd)
         return jnp.mean(jnp.square(out_btd.astype(jnp.float32))) + stats["aux_loss"]
 
-    fn = jax.jit(jax.value_and_grad(loss), in_shardings=(param_sh, x_sh),
-                 out_shardings=(None, param_sh))
+    # The gradient for the input only: the weights' gradient (E d f, the same for both
+    # dispatches) would hide the dispatch and combine temporaries at large E.
+    fn = jax.jit(jax.value_and_grad(loss, argnums=1), in_shardings=(param_sh, x_sh),
+                 out_shardings=(None, x_sh))
     cast = lambda v, sh: jax.ShapeDtypeStruct(v.shape, dtype, sharding=sh)  # noqa: E731
     params = jax.tree.map(cast, params, param_sh)
     return fn, params, jax.ShapeDtypeStruct((8, seq, 256), dtype, sharding=x_sh)
@@ -144,7 +147,7 @@ def dispatch_point(experts: int, top_k: int, dispatch: str, seq: int, timed: boo
 
         values = jax.tree.map(sample, (params, x))
         times = []
-        for _ in range(4):  # one warm-up
+        for _ in range(3):  # one warm-up
             tick = time.perf_counter()
             jax.block_until_ready(compiled(*values))
             times.append(time.perf_counter() - tick)
@@ -163,10 +166,10 @@ def dispatch_sweep(quick: bool) -> list[dict]:
         print(f"no TPU compiler ({err}); CPU only", flush=True)
         tpu_devices = None
     rows = []
-    for experts in (8, 64) if quick else (8, 64, 256):
-        for top_k in (2, 8):
-            for dispatch in ("dropless", "capacity"):
-                for seq, timed in ((4096, False), (512, True)):
+    for seq, timed in ((4096, False), (512, True)):  # every memory figure first
+        for experts in (8, 64) if quick else (8, 64, 256):
+            for top_k in (2, 8):
+                for dispatch in ("dropless", "capacity"):
                     rows.append(dispatch_point(experts, top_k, dispatch, seq, timed,
                                                tpu_devices if seq == 4096 else None))
                     print(rows[-1], flush=True)
@@ -208,7 +211,8 @@ def load_run(steps: int, every: int, aux_weight: float) -> list[dict]:
 
 def write_csv(path: Path, rows: list[dict]) -> None:
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        fields = list(dict.fromkeys(k for row in rows for k in row))  # union, in order
+        writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
 
