@@ -62,9 +62,20 @@ class ModelConfig:
     rope_theta: float = 10000.0
     remat: str = "none"  # none | full | dots (keep only matmul outputs) per layer
     # Mixture of experts (shardlib.models.moe): 0 experts = dense MLP in every layer.
-    num_experts: int = 0  # experts per MoE layer, each a d_ff GELU MLP
-    moe_top_k: int = 2  # experts per token: 1 (Switch) or 2 (GShard, gates renormalised)
-    moe_every: int = 1  # every k-th layer (k-1, 2k-1, ...) is MoE; must divide num_layers
+    num_experts: int = 0  # experts per MoE layer (at most 256), each an MLP as model.mlp
+    moe_top_k: int = 2  # experts per token, 1..8: 1 (Switch), 2 (GShard), 8 (DeepSeek-V3)
+    moe_every: int = 1  # every k-th MoE-part layer is MoE; must divide num_layers - first_dense
+    moe_d_ff: int = 0  # each expert's hidden width (fine-grained experts); 0 = d_ff
+    moe_shared_d_ff: int = 0  # hidden width of one always-applied shared expert; 0 = none
+    moe_shared_gate: bool = False  # shared expert's output x sigmoid(x w) (Qwen2-MoE)
+    moe_score: str = "softmax"  # router scores: softmax (Mixtral, Qwen) | sigmoid (DeepSeek-V3)
+    # renormalise the k chosen gates to sum 1: auto (when k > 1) | on | off
+    moe_norm_topk: str = "auto"
+    moe_route_scale: float = 1.0  # gates multiplied by this (DeepSeek's routed_scaling_factor)
+    # auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias, added to the scores
+    # only to choose the top k, moves by this rate x sign(mean load - load) each step; 0 = off
+    moe_bias_rate: float = 0.0
+    moe_first_dense: int = 0  # the first N layers are dense (DeepSeek, Qwen3-MoE)
     moe_capacity_factor: float = 1.25  # slots per expert per sequence: cf * k * T / experts
     moe_aux_weight: float = 0.01  # load-balancing loss weight (Switch Transformer)
     moe_z_weight: float = 0.001  # router z-loss weight (ST-MoE)

@@ -162,20 +162,22 @@ def attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthk: jax.Array, *,
 
 
 def expert_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array, *,
-               local: Callable[..., jax.Array]) -> jax.Array:
-    """Every expert's MLP on its capacity slots; ``local`` computes them all in place,
-    used unless expert parallelism dispatches them (all-to-all over ``expert``)."""
+               local: Callable[..., jax.Array], w_gate_edf: jax.Array | None = None,
+               activation: str = "gelu_tanh") -> jax.Array:
+    """Every expert's MLP (gated when ``w_gate_edf`` is given) on its capacity slots;
+    ``local`` computes them all in place, used unless expert parallelism dispatches them
+    (all-to-all over ``expert``)."""
     fn = _LAYER.get("expert_ffn")
     if fn is None:
-        return local(x_becd, w_in_edf, w_out_efd)
-    return fn(x_becd, w_in_edf, w_out_efd, local)
+        return local(x_becd, w_in_edf, w_out_efd, w_gate_edf, activation=activation)
+    return fn(x_becd, w_in_edf, w_out_efd, local, w_gate_edf, activation=activation)
 
 
 def dropless_ffn(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: jax.Array,
                  w_in_edf: jax.Array, w_gate_edf: jax.Array | None, w_out_efd: jax.Array, *,
-                 activation: Callable[[jax.Array], jax.Array],
-                 local: Callable[..., jax.Array]) -> jax.Array:
-    """Every token's k experts, gate-weighted, with no capacity; ``local`` sorts the tokens
+                 activation: str, local: Callable[..., jax.Array]) -> jax.Array:
+    """Every token's k experts, gate-weighted, with no capacity (``activation``: a name in
+    ``models.layers.ACTIVATIONS``); ``local`` sorts the tokens
     on hand by expert and runs grouped matmuls, used unless a strategy splits the work
     over devices (per-device sorting, all-to-all over ``expert``)."""
     args = (x_btd, experts_btk, gates_btk, w_in_edf, w_gate_edf, w_out_efd)

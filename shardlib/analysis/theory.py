@@ -116,14 +116,17 @@ class Geometry:
 def param_counts(model: ModelConfig) -> ParamCounts:
     """Parameter elements of ``shardlib.models.GPT`` by tensor split, from its shapes."""
     d, layers, experts = model.d_model, model.num_layers, model.num_experts
-    moe = layers // model.moe_every if experts else 0  # MoE layers
+    moe = moe_layers(model)
+    mats = 3 if model.mlp == "gated" else 2  # gated MLPs: in, gate and out
     split = model.vocab_size * d  # token embedding (vocab, embed)
     split += 0 if model.tie_embeddings else d * model.vocab_size  # LM head (embed, vocab)
-    split += layers * 4 * d * d + (layers - moe) * 2 * d * model.d_ff  # qkvo, dense MLPs
+    split += layers * 4 * d * d + (layers - moe) * mats * d * model.d_ff  # qkvo, dense MLPs
+    split += moe * mats * d * model.moe_shared_d_ff  # shared experts (a dense MLP each)
     replicated = (2 * layers + 1) * d  # two norms per block and the final norm
     replicated += model.max_seq_len * d if model.pos_embedding == "learned" else 0
-    replicated += moe * d * experts  # routers (embed, router)
-    return ParamCounts(split, replicated, moe * experts * 2 * d * model.d_ff,
+    replicated += moe * d * (experts + model.moe_shared_gate)  # routers, shared gates
+    expert_ff = model.moe_d_ff or model.d_ff
+    return ParamCounts(split, replicated, moe * experts * mats * d * expert_ff,
                        Fraction(model.moe_top_k, experts) if experts else Fraction(1))
 
 
@@ -284,7 +287,8 @@ def context_terms(g: Geometry, method: str) -> list[Term]:
 
 def moe_layers(model: ModelConfig) -> int:
     """``L_moe``: layers whose MLP is a mixture of experts."""
-    return model.num_layers // model.moe_every if model.num_experts else 0
+    dense = model.moe_first_dense  # the first layers are dense
+    return (model.num_layers - dense) // model.moe_every if model.num_experts else 0
 
 
 def moe_buffer(g: Geometry) -> Fraction:

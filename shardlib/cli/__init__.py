@@ -27,7 +27,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
                         "(unnamed axes are 1; one may be -1), or auto (the planner "
                         "picks). Default: data=-1")
     parser.add_argument("--model", default="small", help="preset: tiny, small, medium, gpt2-small, "
-                        "moe-tiny, 7b (7b: for plan and inspect; too big to train on a CPU)")
+                        "moe-tiny, moe-fine, 7b (7b: for plan and inspect; too big to train "
+                        "on a CPU)")
     parser.add_argument("--batch-size", type=int, help="global batch size, in sequences")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence")
     parser.add_argument("--seed", type=int, help="seed for init and data order")

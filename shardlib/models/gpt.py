@@ -109,12 +109,11 @@ class GPT(nnx.Module):
                                 ("position", "embed"))
         make_block = lambda r: Block(cfg, rngs=r)
         if cfg.num_experts:  # MoE: scan over groups of moe_every layers
+            if cfg.moe_first_dense:  # the first dense layers: a stack of their own
+                self.dense_blocks = layer_stack(cfg, make_block, cfg.moe_first_dense, rngs)
             make_block = lambda r: BlockGroup(cfg, rngs=r)
         count = num_moe_layers(cfg) or cfg.num_layers
-        if cfg.scan_layers:
-            self.blocks = stack_layers(make_block, count, rngs)
-        else:
-            self.blocks = nnx.List([make_block(rngs) for _ in range(count)])
+        self.blocks = layer_stack(cfg, make_block, count, rngs)
         self.final_norm = make_norm(cfg, rngs)
         if not cfg.tie_embeddings:
             self.w_head_dv = param(rngs, normal(cfg.init_std), (cfg.d_model, cfg.vocab_size),
@@ -134,13 +133,11 @@ class GPT(nnx.Module):
         with packed_documents(segment_ids, positions):
             x_btd = self.embed_tokens(tokens_bt, positions)
             if self.cfg.num_experts:
+                if self.cfg.moe_first_dense:
+                    x_btd = run_dense(self.dense_blocks, x_btd, self.cfg)
                 x_btd, stats = run_groups(self.blocks, x_btd, self.cfg, remat)
-            elif self.cfg.scan_layers:
-                x_btd = scan_layers(self.blocks, x_btd, self.cfg.remat)
             else:
-                for block in self.blocks:
-                    x_btd = remat(lambda x, b=block: call_gathered(b, x),
-                                  self.cfg.remat)(x_btd)
+                x_btd = run_dense(self.blocks, x_btd, self.cfg)
         return self.head(x_btd), stats
 
     def embed_tokens(self, tokens_bt: jax.Array,
@@ -164,14 +161,37 @@ class GPT(nnx.Module):
         return constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"))
 
 
+def layer_stack(cfg: ModelConfig, make_layer, count: int, rngs: nnx.Rngs) -> nnx.Module:
+    """``count`` layers from ``make_layer``: stacked for the scan (``scan_layers``) or a
+    list."""
+    if cfg.scan_layers:
+        return stack_layers(make_layer, count, rngs)
+    return nnx.List([make_layer(rngs) for _ in range(count)])
+
+
+def run_dense(blocks: nnx.Module, x_btd: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Apply stacked (scanned) or listed dense blocks in order, each its own FSDP unit."""
+    if cfg.scan_layers:
+        return scan_layers(blocks, x_btd, cfg.remat)
+    for block in blocks:
+        x_btd = remat(lambda x, b=block: call_gathered(b, x), cfg.remat)(x_btd)
+    return x_btd
+
+
+LAYER_STACKS = ("dense_blocks", "blocks")
+"""The model's layer stacks, in order: an MoE model's first dense layers, then the rest."""
+
+
 def gather_outside_layers(params: nnx.State) -> nnx.State:
     """Every weight outside ``blocks`` (embedding, positions, final norm, head) gathered
     as one FSDP unit (``hooks.gather_weights``): used at both ends of the model (a tied
     embedding is also the head), so it is gathered once and kept for backward; each
-    layer of ``blocks`` is its own unit, gathered inside the layer scan."""
+    layer of ``blocks`` (and ``dense_blocks``) is its own unit, gathered inside the
+    layer scan."""
 
     def one(path: tuple, var: nnx.Variable) -> nnx.Variable:
-        return var if getattr(path[0], "key", None) == "blocks" else hooks.gather_weights(var)
+        inside = getattr(path[0], "key", None) in LAYER_STACKS
+        return var if inside else hooks.gather_weights(var)
 
     return jax.tree_util.tree_map_with_path(one, params,
                                             is_leaf=lambda x: isinstance(x, nnx.Variable))

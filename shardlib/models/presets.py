@@ -22,6 +22,11 @@ PRESETS: dict[str, ModelConfig] = {
     # Mixture of experts: 4 layers, every 2nd an 8-expert top-2 MoE (experts divide 1..8).
     "moe-tiny": ModelConfig(name="moe-tiny", d_model=64, num_layers=4, num_heads=4, d_ff=128,
                             max_seq_len=256, num_experts=8, moe_top_k=2, moe_every=2),
+    # Fine-grained experts (DeepSeek / Qwen3-MoE style): layer 1 dense, layers 2-4 MoE with
+    # 64 gated experts 32 wide, top-8, and one always-applied shared expert 64 wide.
+    "moe-fine": ModelConfig(name="moe-fine", d_model=64, num_layers=4, num_heads=4, d_ff=128,
+                            max_seq_len=256, mlp="gated", activation="silu", num_experts=64,
+                            moe_top_k=8, moe_d_ff=32, moe_shared_d_ff=64, moe_first_dense=1),
     # 6.7B parameters (Llama-2-7B width, depth and vocab; a 4x GELU MLP as GPT-3 6.7B):
     # for `shardlib plan --model 7b --devices 256`; too big to train on a CPU.
     "7b": ModelConfig(name="7b", vocab_size=32000, d_model=4096, num_layers=32, num_heads=32,
@@ -65,7 +70,6 @@ def check_architecture(cfg: ModelConfig) -> None:
     if cfg.num_kv_heads < 0 or cfg.num_heads % cfg.kv_heads:
         raise ConfigError(f"model.num_kv_heads={cfg.num_kv_heads} must divide model.num_heads="
                           f"{cfg.num_heads} (0 = num_heads)")
-    plain = (cfg.mlp, cfg.activation, cfg.bias) == ("plain", "gelu_tanh", False)
-    if cfg.num_experts and not plain:
-        raise ConfigError("model.num_experts > 0: MoE experts are plain GELU MLPs without bias;"
-                          " keep model.mlp=plain, model.activation=gelu_tanh, model.bias=false")
+    if cfg.num_experts and cfg.bias:
+        raise ConfigError("model.num_experts > 0: MoE experts have no biases; keep "
+                          "model.bias=false")

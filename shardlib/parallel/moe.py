@@ -9,7 +9,8 @@ mesh axis::
     device j: x_becd (b, E, C, d)    rows of device j, slots of every expert
         all-to-all over expert: split E into X pieces, piece i -> device i, concat rows
     device j: x_becd (X b, E/X, C, d)  rows of every device, slots of j's experts
-        expert MLP: gelu(x @ w_in_edf) @ w_out_efd   (E/X local experts)
+        expert MLP: act(x @ w_in_edf) @ w_out_efd, or gated
+                    (act(x @ w_gate_edf) * (x @ w_in_edf)) @ w_out_efd   (E/X local experts)
         all-to-all back: split rows into X pieces, piece i -> device i, concat experts
     device j: y_becd (b, E, C, d)    its own rows again, every expert's output
 
@@ -34,19 +35,23 @@ from jax.sharding import Mesh, PartitionSpec
 from shardlib import collectives
 from shardlib.errors import ShardingError
 from shardlib.models.grouped import expert_rows
-from shardlib.models.moe import local_ffn
+from shardlib.models.layers import ACTIVATIONS
+from shardlib.models.moe import expert_hidden, local_ffn
 from shardlib.sharding import Rules, active_rules, compute_platform, logical_to_spec
 
 KEEP_SPLIT = {"expert": {"expert"}, "mlp": {"tensor"}}
 """Inside the map, these logical dims of the expert weights stay split over these axes;
 every other split (e.g. ``embed`` over ``fsdp``) is all-gathered first."""
 W_IN_DIMS, W_OUT_DIMS = ("expert", "embed", "mlp"), ("expert", "mlp", "embed")
-Activation = Callable[[jax.Array], jax.Array]
+Activation = Callable[[jax.Array], jax.Array]  # an expert's activation function
 
 
 def expert_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array,
-               local: Callable[..., jax.Array] = local_ffn) -> jax.Array:
-    """Every expert's GELU MLP on its capacity slots: (B, E, C, d) -> (B, E, C, d).
+               local: Callable[..., jax.Array] = local_ffn,
+               w_gate_edf: jax.Array | None = None, *,
+               activation: str = "gelu_tanh") -> jax.Array:
+    """Every expert's MLP (gated with ``w_gate_edf``) on its capacity slots:
+    (B, E, C, d) -> (B, E, C, d).
 
     Expert-parallel (all-to-all over ``expert``) when the enclosing ``activation_rules``
     mesh has ``expert`` > 1; otherwise ``local``, one computation that XLA partitions.
@@ -54,8 +59,9 @@ def expert_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array,
     active = active_rules()
     inside_map = bool(jax.sharding.get_abstract_mesh().manual_axes)
     if active is None or inside_map or active[0].shape.get("expert", 1) == 1:
-        return local(x_becd, w_in_edf, w_out_efd)
-    return expert_parallel_ffn(x_becd, w_in_edf, w_out_efd, mesh=active[0], rules=active[1])
+        return local(x_becd, w_in_edf, w_out_efd, w_gate_edf, activation=activation)
+    return expert_parallel_ffn(x_becd, w_in_edf, w_out_efd, w_gate_edf, mesh=active[0],
+                               rules=active[1], activation=activation)
 
 
 def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -82,8 +88,9 @@ def weight_plan(logical: tuple[str, ...], rules: Rules,
     return spec, gathers
 
 
-def expert_parallel_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array, *,
-                        mesh: Mesh, rules: Rules) -> jax.Array:
+def expert_parallel_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array,
+                        w_gate_edf: jax.Array | None = None, *, mesh: Mesh, rules: Rules,
+                        activation: str = "gelu_tanh") -> jax.Array:
     """``local_ffn`` with the experts split over ``expert``: all-to-all the capacity
     buffers to the experts' devices, run them, all-to-all the outputs back."""
     sizes = dict(mesh.shape)
@@ -99,10 +106,12 @@ def expert_parallel_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.A
     x_spec = PartitionSpec(batch if len(batch) > 1 else batch[0])
     weight_axes = {a for entry in in_spec for a in _axes(entry)}
     body = partial(_local_experts, in_gathers=in_gathers, out_gathers=out_gathers,
-                   hidden_axes=_axes(in_spec[2]),
+                   hidden_axes=_axes(in_spec[2]), activation=activation,
                    replica_axes=tuple(a for a in batch if a not in weight_axes))
-    return jax.shard_map(body, mesh=mesh, in_specs=(x_spec, in_spec, out_spec),
-                         out_specs=x_spec)(x_becd, w_in_edf, w_out_efd)
+    gate = () if w_gate_edf is None else (w_gate_edf,)  # the gate is split as w_in
+    in_specs = (x_spec, in_spec, out_spec, *(in_spec for _ in gate))
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs,
+                         out_specs=x_spec)(x_becd, w_in_edf, w_out_efd, *gate)
 
 
 def _gather(w: jax.Array, gathers: list[tuple[int, tuple]]) -> jax.Array:
@@ -111,19 +120,22 @@ def _gather(w: jax.Array, gathers: list[tuple[int, tuple]]) -> jax.Array:
     return w
 
 
-def _local_experts(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array, *,
-                   in_gathers: list, out_gathers: list, hidden_axes: tuple[str, ...],
-                   replica_axes: tuple[str, ...]) -> jax.Array:
+def _local_experts(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array,
+                   w_gate_edf: jax.Array | None = None, *, in_gathers: list,
+                   out_gathers: list, hidden_axes: tuple[str, ...],
+                   replica_axes: tuple[str, ...], activation: str = "gelu_tanh") -> jax.Array:
     """One device: its rows' buffers in, its experts' slots computed, its rows back out.
 
     The weights are marked varying over the batch axes that replicate them (``data``)
     before the fsdp gather, so their gradient is reduce-scattered over fsdp first and
     only the shard is all-reduced over data (as in ``parallel.fsdp``)."""
     if replica_axes:
-        w_in_edf, w_out_efd = jax.lax.pcast((w_in_edf, w_out_efd), replica_axes, to="varying")
+        w_in_edf, w_out_efd, w_gate_edf = jax.lax.pcast((w_in_edf, w_out_efd, w_gate_edf),
+                                                        replica_axes, to="varying")
     w_in_edf, w_out_efd = _gather(w_in_edf, in_gathers), _gather(w_out_efd, out_gathers)
+    w_gate_edf = None if w_gate_edf is None else _gather(w_gate_edf, in_gathers)
     x_becd = collectives.all_to_all(x_becd, "expert", split_dim=1, concat_dim=0)  # (X b, E/X..)
-    h_becf = jax.nn.gelu(jnp.einsum("becd,edf->becf", x_becd, w_in_edf))
+    h_becf = expert_hidden("becd,edf->becf", x_becd, w_in_edf, w_gate_edf, activation)
     y_becd = jnp.einsum("becf,efd->becd", h_becf, w_out_efd)
     if hidden_axes:  # row-parallel out-projection: sum the partial outputs
         y_becd = collectives.all_reduce(y_becd, hidden_axes)
@@ -136,7 +148,7 @@ def _local_experts(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array,
 
 def dropless_ffn(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: jax.Array,
                  w_in_edf: jax.Array, w_gate_edf: jax.Array | None, w_out_efd: jax.Array, *,
-                 activation: Activation, local: Callable[..., jax.Array]) -> jax.Array:
+                 activation: str, local: Callable[..., jax.Array]) -> jax.Array:
     """Dropless experts, (B, T, d) -> (B, T, d). Under an ``activation_rules`` mesh, a
     ``shard_map`` gives each device its own rows to sort (a sort of the whole batch would
     gather it) and, with ``expert`` > 1, sends each row to its expert's device and back."""
@@ -151,7 +163,7 @@ def dropless_ffn(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: jax.Array,
 
 def dropless_parallel_ffn(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: jax.Array,
                           w_in_edf: jax.Array, w_gate_edf: jax.Array | None,
-                          w_out_efd: jax.Array, *, activation: Activation,
+                          w_out_efd: jax.Array, *, activation: str,
                           local: Callable[..., jax.Array], mesh: Mesh,
                           rules: Rules) -> jax.Array:
     """``local`` per device over its rows, the experts' weights split as the expert path
@@ -181,7 +193,7 @@ def dropless_parallel_ffn(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: j
 
 def _dropless_local(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: jax.Array,
                     *weights: jax.Array, gathers: tuple, hidden_axes: tuple[str, ...],
-                    replica_axes: tuple[str, ...], activation: Activation,
+                    replica_axes: tuple[str, ...], activation: str,
                     local: Callable[..., jax.Array], expert_parallel: bool,
                     platform: str) -> jax.Array:
     """One device: its weights made whole but for the kept splits (as ``_local_experts``),
@@ -196,7 +208,7 @@ def _dropless_local(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: jax.Arr
         k = experts_btk.shape[-1]
         y_ad = exchanged_rows(x_btd.reshape(b * t, d), experts_btk.reshape(b * t * k),
                               w_in_edf, w_gate_edf, w_out_efd, copies=k,
-                              activation=activation, platform=platform)
+                              activation=ACTIVATIONS[activation], platform=platform)
         y_btkd = y_ad.reshape(b, t, k, d)
         y_btd = jnp.einsum("btkd,btk->btd", y_btkd, gates_btk.astype(y_btkd.dtype))
     else:

@@ -146,9 +146,10 @@ def predict(figures: Figures, cand: Candidate, profile: DeviceProfile,
 def flops_per_device(config: Config, cand: Candidate) -> float:
     """Model FLOPs per device per step: ``6 Psi + 12 L T d`` per token, plus what the
     remat policy recomputes in backward (``full``: the layers' forward, ``2 Psi_layers +
-    4 L T d``; ``dots``: the attention einsums, which have batch dims, ``4 L T d``)."""
+    4 L T d``; ``dots``: the attention einsums, which have batch dims, ``4 L T d``). For a
+    mixture of experts ``Psi`` counts the k experts a token uses (``analysis.flops``)."""
     m, seq = config.model, config.train.seq_len
-    psi = param_counts(m).total
+    psi = param_counts(m).active
     attention = 4 * m.num_layers * seq * m.d_model  # forward, per token
     per_token = 6 * psi + 3 * attention
     layer_params = m.num_layers * (4 * m.d_model**2 + 2 * m.d_model * m.d_ff)

@@ -133,6 +133,10 @@ def mesh_problem(config: Config, sizes: Mapping[str, int]) -> str | None:
     checks = [
         (m.num_heads % t, f"tensor={t} does not divide heads={m.num_heads}"),
         (m.d_ff % t, f"tensor={t} does not divide mlp (d_ff)={m.d_ff}"),
+        (m.num_experts and (m.moe_d_ff or m.d_ff) % t, f"tensor={t} does not divide the "
+                                                       f"experts' mlp (moe_d_ff)={m.moe_d_ff}"),
+        (m.num_experts and m.moe_shared_d_ff % t, f"tensor={t} does not divide the shared "
+                                                  f"expert's mlp={m.moe_shared_d_ff}"),
         (m.vocab_size % t, f"tensor={t} does not divide vocab={m.vocab_size}"),
         (m.d_model % embed_split, f"fsdp={embed_split} does not divide embed "
                                   f"(d_model)={m.d_model}"),

@@ -129,6 +129,10 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None) -> Trai
                  capability=capability_of(mesh), train_step=True)
     comm_lib.check_comm(config.comm, sizes, zero=config.mesh.zero,
                         loss_scaling=policy.loss_scaling)
+    if config.model.moe_bias_rate > 0 and comm_lib.diloco_enabled(config.comm):
+        raise ConfigError(f"model.moe_bias_rate={config.model.moe_bias_rate}: the router "
+                          "biases move in the train step, which DiLoCo replaces; set "
+                          "model.moe_bias_rate=0 or turn comm.diloco off")
     rules = sharding.make_rules(config.mesh, sizes, config.rules)
     abstract = nnx.eval_shape(lambda: GPT(config.model, rngs=nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(abstract)

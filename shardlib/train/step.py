@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlib import precision
 from shardlib.errors import ConfigError
+from shardlib.models import moe
 from shardlib.sharding import compiling_for
 from shardlib.train import comm, diloco, nonfinite, pipeline
 from shardlib.train.objective import (  # noqa: F401  (loss_fn, model_loss: public here too)
@@ -97,6 +98,7 @@ def train_step(setup: TrainSetup, state: TrainState, batch: Batch) -> tuple[Trai
         _, grads, loss_parts = loss_and_grads(setup, state.params, batch, scaling.scale)
     updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    params, loss_parts = moe.balance(setup.config.model, params, loss_parts)  # router biases
     if setup.policy.loss_scaling:
         finite = precision.all_finite(grads)
         params = precision.select_tree(finite, params, state.params)
