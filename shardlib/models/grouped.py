@@ -47,19 +47,27 @@ def block_size(rows: int, num_experts: int) -> int:
     return min(128, max(8, 1 << (mean - 1).bit_length()))
 
 
+def _ends_at_or_before(ends: jax.Array, size: int) -> jax.Array:
+    """For each ``i < size``: how many of ``ends`` are ``<= i`` (``searchsorted(ends, i,
+    'right')``), by a scatter-add and a cumsum: ``jnp.searchsorted`` fails to trace
+    inside a fully manual ``shard_map`` in jax 0.10."""
+    marks = jnp.zeros(size, jnp.int32).at[ends].add(1, mode="drop")
+    return jnp.cumsum(marks)
+
+
 def plan_tiles(group_sizes_e: jax.Array, rows: int, block: int) -> Tiles:
     """The static-length tile list for ``rows`` sorted rows in groups ``group_sizes_e``."""
     num_experts = group_sizes_e.shape[0]
     blocks = -(-rows // block)
     ends_e = jnp.cumsum(group_sizes_e)
     total = ends_e[-1]
-    expert_p = jnp.searchsorted(ends_e, jnp.arange(blocks * block), side="right")
+    expert_p = _ends_at_or_before(ends_e, blocks * block)
     first_b = expert_p[::block]  # (blocks,) E for a block with no row in a group
     last_row_b = jnp.clip(jnp.arange(blocks) * block + block - 1, 0, jnp.maximum(total - 1, 0))
     count_b = jnp.where(first_b < num_experts, expert_p[last_row_b] - first_b + 1, 0)
     ends_b = jnp.cumsum(count_b)
     tile = jnp.arange(blocks + num_experts - 1)
-    block_t = jnp.minimum(jnp.searchsorted(ends_b, tile, side="right"), blocks - 1)
+    block_t = jnp.minimum(_ends_at_or_before(ends_b, tile.shape[0]), blocks - 1)
     expert_t = first_b[block_t] + tile - (ends_b - count_b)[block_t]
     return Tiles(expert_p.astype(jnp.int32), block_t.astype(jnp.int32),
                  jnp.clip(expert_t, 0, num_experts - 1).astype(jnp.int32), tile < ends_b[-1])
