@@ -4,9 +4,16 @@
 (tokens routed to each expert) over a training run with and without the
 load-balancing loss.
 
+``--dispatch``: dropless (grouped matmuls) against capacity (one-hot dispatch and combine)
+for one MoE layer (d_model 256, d_ff 512) at 8, 64 and 256 experts and top-2 / top-8: the
+per-device temporaries of its forward + backward as compiled (``memory_analysis``) for 8
+simulated CPU devices and for a TPU v5e:2x4 slice (``data=8``, one sequence of 4096 tokens
+per device; nothing runs), and its step time on the CPU devices at 512 tokens.
+
     python experiments/moe_sweep.py            # full: 12 sweep points, 200 training steps
     python experiments/moe_sweep.py --quick    # 8 experts only, 40 steps
     python experiments/moe_sweep.py --resume   # keep the sweep points already in the CSV
+    python experiments/moe_sweep.py --dispatch # dropless vs capacity -> moe_dispatch.csv
 
 Writes ``experiments/results/moe_sweep.csv``, ``moe_load.csv`` and ``moe_sweep.png``.
 CPU timings on simulated devices measure overheads more than real parallel speed: all
@@ -28,6 +35,7 @@ from shardlib.mesh import simulate_cpu_devices
 simulate_cpu_devices(8)  # before JAX starts
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -35,10 +43,12 @@ from shardlib import data as data_lib  # noqa: E402
 from shardlib.analysis.hlo import parse_collectives  # noqa: E402
 from shardlib.analysis.memory import compiled_memory, state_bytes  # noqa: E402
 from shardlib.analysis.theory import comm_terms  # noqa: E402
-from shardlib.config import Config, MeshConfig, OptimConfig, TrainConfig  # noqa: E402
+from shardlib.config import Config, MeshConfig, ModelConfig, OptimConfig, TrainConfig  # noqa: E402
+from shardlib.mesh import make_mesh  # noqa: E402
 from shardlib.models import get_preset  # noqa: E402
-from shardlib.sharding import activation_rules  # noqa: E402
-from shardlib.train.state import TrainSetup, build_setup, init_state  # noqa: E402
+from shardlib.models.moe import MoEMLP  # noqa: E402
+from shardlib.sharding import activation_rules, logical_to_spec, make_rules  # noqa: E402
+from shardlib.train.state import TrainSetup, build_setup, init_state, named_tree, param_specs  # noqa: E402
 from shardlib.train.step import make_train_step  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -85,6 +95,88 @@ def sweep_point(experts: int, expert_axis: int, timed_steps: int) -> dict:
             "a2a_bytes": sum(c.total_bytes_per_device for c in a2a), "a2a_theory": theory}
 
 
+def layer_step(experts: int, top_k: int, dispatch: str, seq: int, devices: list,
+               dtype: jnp.dtype) -> tuple:
+    """One MoE layer's loss and its gradient for the layer's input on ``data=8`` over
+    ``devices`` (one sequence of ``seq`` tokens each): (jitted function, abstract params,
+    abstract input)."""
+    model = ModelConfig(d_model=256, d_ff=512, num_experts=experts, moe_top_k=top_k,
+                        moe_dispatch=dispatch)
+    mesh = make_mesh({"data": 8}, devices)
+    sizes = dict(mesh.shape)
+    rules = make_rules(MeshConfig(data=8), sizes)
+    abstract = nnx.eval_shape(lambda: MoEMLP(model, std=0.02, out_std=0.02, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(abstract)
+    param_sh = named_tree(param_specs(params, rules, sizes), mesh)
+    x_sh = jax.sharding.NamedSharding(mesh, logical_to_spec(
+        ("act_batch", "act_seq", "act_embed"), rules, sizes))
+
+    def loss(params: nnx.State, x_btd: jax.Array) -> jax.Array:
+        with activation_rules(mesh, rules):
+            out_btd, stats = nnx.merge(graphdef, params)(x_btd)
+        return jnp.mean(jnp.square(out_btd.astype(jnp.float32))) + stats["aux_loss"]
+
+    # The gradient for the input only: the weights' gradient (E d f, the same for both
+    # dispatches) would hide the dispatch and combine temporaries at large E.
+    fn = jax.jit(jax.value_and_grad(loss, argnums=1), in_shardings=(param_sh, x_sh),
+                 out_shardings=(None, x_sh))
+    cast = lambda v, sh: jax.ShapeDtypeStruct(v.shape, dtype, sharding=sh)  # noqa: E731
+    params = jax.tree.map(cast, params, param_sh)
+    return fn, params, jax.ShapeDtypeStruct((8, seq, 256), dtype, sharding=x_sh)
+
+
+def dispatch_point(experts: int, top_k: int, dispatch: str, seq: int, timed: bool,
+                   tpu_devices: list | None) -> dict:
+    """Compiled per-device temporaries (CPU; TPU when its compiler is here) and, if
+    ``timed``, the median CPU step time of one MoE layer's forward + backward."""
+    row = {"experts": experts, "top_k": top_k, "dispatch": dispatch, "seq": seq}
+    fn, params, x = layer_step(experts, top_k, dispatch, seq, jax.devices()[:8], jnp.float32)
+    tick = time.perf_counter()
+    compiled = fn.lower(params, x).compile()
+    row["cpu_compile_s"] = round(time.perf_counter() - tick, 1)
+    row["cpu_temp_mib"] = round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 1)
+    if tpu_devices:
+        fn, params, x = layer_step(experts, top_k, dispatch, seq, tpu_devices, jnp.bfloat16)
+        tpu = fn.lower(params, x).compile()
+        row["tpu_temp_mib"] = round(tpu.memory_analysis().temp_size_in_bytes / 2**20, 1)
+        row["tpu_ragged_dot"] = "ragged-dot" in tpu.as_text() or "ragged_dot" in tpu.as_text()
+    if timed:
+        def sample(v: jax.ShapeDtypeStruct) -> jax.Array:
+            value = jax.random.normal(jax.random.key(v.shape[-1]), v.shape, v.dtype) * 0.05
+            return jax.device_put(value, v.sharding)
+
+        values = jax.tree.map(sample, (params, x))
+        times = []
+        for _ in range(3):  # one warm-up
+            tick = time.perf_counter()
+            jax.block_until_ready(compiled(*values))
+            times.append(time.perf_counter() - tick)
+        row["cpu_step_ms"] = round(statistics.median(times[1:]) * 1e3, 1)
+    return row
+
+
+def dispatch_sweep(quick: bool) -> list[dict]:
+    """Dropless against capacity at E = 8, 64, 256 and k = 2, 8: memory at 4096 tokens
+    per device (compile only), time at 512."""
+    try:
+        from shardlib.target import parse_target
+
+        tpu_devices = parse_target("v5e:2x4").devices()
+    except Exception as err:  # noqa: BLE001 - the TPU compiler is an optional extra
+        print(f"no TPU compiler ({err}); CPU only", flush=True)
+        tpu_devices = None
+    rows = []
+    for seq, timed in ((4096, False), (512, True)):  # every memory figure first
+        for experts in (8, 64) if quick else (8, 64, 256):
+            for top_k in (2, 8):
+                for dispatch in ("dropless", "capacity"):
+                    rows.append(dispatch_point(experts, top_k, dispatch, seq, timed,
+                                               tpu_devices if seq == 4096 else None))
+                    print(rows[-1], flush=True)
+                    write_csv(RESULTS / "moe_dispatch.csv", rows)
+    return rows
+
+
 def expert_loads(setup: TrainSetup):
     """A jitted function: params, batch -> (MoE layers, experts) share of routed tokens."""
     def loads(params: nnx.State, batch: dict) -> jax.Array:
@@ -119,7 +211,8 @@ def load_run(steps: int, every: int, aux_weight: float) -> list[dict]:
 
 def write_csv(path: Path, rows: list[dict]) -> None:
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        fields = list(dict.fromkeys(k for row in rows for k in row))  # union, in order
+        writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
 
@@ -189,7 +282,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 experts, 40 training steps")
     parser.add_argument("--resume", action="store_true", help="reuse the sweep points "
                         "already in moe_sweep.csv (it is rewritten after every point)")
+    parser.add_argument("--dispatch", action="store_true", help="only the dropless vs "
+                        "capacity comparison (moe_dispatch.csv)")
     args = parser.parse_args()
+    RESULTS.mkdir(exist_ok=True)
+    if args.dispatch:
+        dispatch_sweep(args.quick)
+        return
     experts = (8,) if args.quick else (8, 16, 32)
     steps, every = (40, 10) if args.quick else (200, 20)
     RESULTS.mkdir(exist_ok=True)

@@ -80,6 +80,9 @@ class ModelConfig:
     moe_capacity_factor: float = 1.25  # slots per expert per sequence: cf * k * T / experts
     moe_aux_weight: float = 0.01  # load-balancing loss weight (Switch Transformer)
     moe_z_weight: float = 0.001  # router z-loss weight (ST-MoE)
+    # "dropless": every assignment kept, experts as grouped matmuls (shardlib.models.grouped);
+    # "capacity": GShard's per-sequence capacity with one-hot dispatch, dropping the overflow
+    moe_dispatch: str = "dropless"
     # Architecture options (shardlib.interop.hf maps GPT-2 and Llama onto them); the
     # defaults are shardlib's own model: RMSNorm, plain GELU MLP, no biases, MHA.
     norm: str = "rms"  # "rms" (RMSNorm, Llama) or "layer" (LayerNorm, GPT-2)

@@ -13,8 +13,8 @@ remat policy (``weights_policy``) can drop it after forward and gather it again 
 backward (``reshard_after_forward``, torchtitan's name), or keep it.
 
 Layer hooks (``enter_region``, ``exit_region``, ``sequence_rows``, ``vocab_lookup``,
-``attention``, ``expert_ffn``): the places where Megatron TP/SP, context parallelism and
-expert parallelism act inside a layer. Each is the plain computation until
+``attention``, ``expert_ffn``, ``dropless_ffn``): the places where Megatron TP/SP, context
+parallelism and expert parallelism act inside a layer. Each is the plain computation until
 ``shardlib.parallel`` installs its strategy (``install_layer_hooks``, once, on import);
 the installed function is itself the plain computation unless its strategy is active
 for the trace (``parallel.tensor.manual_tensor``, ``parallel.context.context_parallel``,
@@ -173,5 +173,19 @@ def expert_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array, *,
     return fn(x_becd, w_in_edf, w_out_efd, local, w_gate_edf, activation=activation)
 
 
+def dropless_ffn(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: jax.Array,
+                 w_in_edf: jax.Array, w_gate_edf: jax.Array | None, w_out_efd: jax.Array, *,
+                 activation: str, local: Callable[..., jax.Array]) -> jax.Array:
+    """Every token's k experts, gate-weighted, with no capacity (``activation``: a name in
+    ``models.layers.ACTIVATIONS``); ``local`` sorts the tokens
+    on hand by expert and runs grouped matmuls, used unless a strategy splits the work
+    over devices (per-device sorting, all-to-all over ``expert``)."""
+    args = (x_btd, experts_btk, gates_btk, w_in_edf, w_gate_edf, w_out_efd)
+    fn = _LAYER.get("dropless_ffn")
+    if fn is None:
+        return local(*args, activation=activation)
+    return fn(*args, activation=activation, local=local)
+
+
 LAYER_HOOKS = frozenset({"enter_region", "exit_region", "sequence_rows", "vocab_lookup",
-                         "attention", "expert_ffn"})
+                         "attention", "expert_ffn", "dropless_ffn"})

@@ -87,3 +87,33 @@ def test_unscanned_layers_train_like_one_device():
     assert "blocks.0.attn.w_q_dhk" in one_params  # really the unscanned layout
     np.testing.assert_allclose(mesh_losses, one_losses, rtol=TOL)
     assert max(relative_error(mesh_params[p], one_params[p]) for p in one_params) <= TOL
+
+
+# Dropless MoE (the default dispatch): 64 experts in layer 2, tokens sorted per device and
+# all-to-all'd over expert (padded on CPU); each mesh against one device.
+MOE64 = {"num_experts": 64, "moe_every": 2, "d_ff": 32}
+MOE_STRATEGIES = {
+    "data=2,expert=4": MeshConfig(data=2, expert=4),
+    "expert=2,fsdp=2,tensor=2": MeshConfig(data=1, expert=2, fsdp=2, tensor=2),
+    "data=2,sequence=2,expert=2": MeshConfig(data=2, sequence=2, expert=2),
+    "data=2,fsdp=4": MeshConfig(data=2, fsdp=4),  # explicit FSDP: sorted inside its map
+}
+SLOW_MOE = {"expert=2,fsdp=2,tensor=2", "data=2,sequence=2,expert=2", "data=2,fsdp=4"}
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    return run_steps(tiny_config(MeshConfig(data=1), **MOE64), num_devices=1)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_MOE
+                                  else n for n in MOE_STRATEGIES])
+def test_dropless_moe_matches_single_device(name, moe_reference):
+    ref_losses, ref_params, _ = moe_reference
+    losses, params, setup = run_steps(tiny_config(MOE_STRATEGIES[name], **MOE64))
+    assert setup.mesh.devices.size == 8 and setup.config.model.moe_dispatch == "dropless"
+    np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
+    assert losses[-1] < losses[0]
+    errors = {path: relative_error(params[path], ref_params[path]) for path in ref_params}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOL, f"{worst}: relative error {errors[worst]:.2e}"

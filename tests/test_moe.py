@@ -27,7 +27,8 @@ from shardlib.train.state import build_setup, init_state, named_tree, param_spec
 from shardlib.train.step import make_train_step
 from tests.helpers import relative_error, tiny_config
 
-MOE = {"num_experts": 8, "moe_every": 2, "d_ff": 128}  # tiny GPT: layer 1 dense, layer 2 MoE
+# tiny GPT: layer 1 dense, layer 2 MoE; capacity routing (its dropping is asserted below)
+MOE = {"num_experts": 8, "moe_every": 2, "d_ff": 128, "moe_dispatch": "capacity"}
 TOL = 1e-5
 
 
@@ -77,9 +78,12 @@ def test_routing_matches_numpy_reference(top_k):
 
 # --- the expert-parallel layer against the dense reference ----------------------------
 
-LAYER = ModelConfig(d_model=16, d_ff=32, num_experts=8, moe_top_k=2)
+LAYER = ModelConfig(d_model=16, d_ff=32, num_experts=8, moe_top_k=2, moe_dispatch="capacity")
 BATCH, SEQ = 8, 16
-CAPACITY_FACTORS = {"dropping": 0.5, "no-drop": 4.0}  # 2 and 16 (= SEQ) slots per expert
+LAYERS = {"dropping": {"moe_capacity_factor": 0.5},  # 2 slots per expert
+          "no-drop": {"moe_capacity_factor": 4.0},  # 16 (= SEQ) slots per expert
+          "dropless": {"moe_dispatch": "dropless"},
+          "dropless-e64-k4": {"moe_dispatch": "dropless", "num_experts": 64, "moe_top_k": 4}}
 
 
 def layer_grads(graphdefs: dict[str, nnx.GraphDef], method: str):
@@ -100,11 +104,10 @@ def layer_grads(graphdefs: dict[str, nnx.GraphDef], method: str):
 
 @pytest.fixture(scope="module")
 def layer_case():
-    """Two MoE layers (with and without dropping), inputs, and their dense reference
-    results on one device."""
-    layers = {name: partial(MoEMLP, dataclasses.replace(LAYER, moe_capacity_factor=factor),
-                            std=0.3, out_std=0.3)
-              for name, factor in CAPACITY_FACTORS.items()}
+    """MoE layers (capacity with and without dropping, dropless with 8 and 64 experts),
+    inputs, and their dense reference results on one device."""
+    layers = {name: partial(MoEMLP, dataclasses.replace(LAYER, **changes), std=0.3, out_std=0.3)
+              for name, changes in LAYERS.items()}
     graphdefs = {name: nnx.graphdef(nnx.eval_shape(lambda m=m: m(rngs=nnx.Rngs(0))))
                  for name, m in layers.items()}
 
@@ -123,7 +126,43 @@ def layer_case():
                                      {"expert": 8}, {"expert": 2, "fsdp": 2, "tensor": 2}],
                          ids=["ep1", "ep2", "ep8", "ep2-fsdp2-tp2"])
 def test_expert_parallel_layer_equals_dense_reference(layer_case, degrees):
+    check_against_reference(layer_case, degrees, LAYERS)
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name):
+    """``jax.lax.ragged_all_to_all`` as its docstring defines it, from all-gathers (XLA CPU
+    cannot run the real one): source ``s`` writes its ``send_sizes[me]`` rows from
+    ``input_offsets[me]`` at ``output_offsets[me]`` of this device's ``output``."""
+    me, rows = jax.lax.axis_index(axis_name), jnp.arange(operand.shape[0])
+    gather = partial(jax.lax.all_gather, axis_name=axis_name, axis=0, tiled=False)
+    operands = gather(operand)
+    starts, sizes, lands = (gather(v)[:, me] for v in (input_offsets, send_sizes, output_offsets))
+    for src in range(operands.shape[0]):
+        at = jnp.where(rows < sizes[src], lands[src] + rows, output.shape[0])  # past end: dropped
+        rows_src = operands[src][jnp.minimum(starts[src] + rows, operand.shape[0] - 1)]
+        output = output.at[at].set(rows_src, mode="drop")
+    return output
+
+
+def test_ragged_exchange_equals_dense_reference(layer_case, monkeypatch):
+    """The TPU path (``ragged_all_to_all`` of the used rows only, ``ragged_dot`` experts) on
+    expert=4,data=2, with the collective emulated by its documented semantics."""
+    from shardlib.parallel import moe as parallel_moe
+
+    monkeypatch.setattr(parallel_moe, "compute_platform", lambda: "tpu")
+    monkeypatch.setattr(parallel_moe, "ragged_all_to_all", emulated_ragged_all_to_all)
+    dropless = {k: v for k, v in LAYERS.items() if v.get("moe_dispatch") == "dropless"}
+    check_against_reference(layer_case, {"expert": 4, "data": 2}, dropless,
+                            collective="all-gather")
+
+
+def check_against_reference(layer_case, degrees: dict, cases: dict,
+                            collective: str = "all-to-all") -> None:
+    """The ``cases`` layers on a mesh of ``degrees``: outputs, statistics and gradients
+    equal to the one-device dense reference; ``collective`` carries the tokens."""
     graphdefs, params, (x_btd, r_btd), ref = layer_case
+    graphdefs, params = ({k: v[k] for k in cases} for v in (graphdefs, params))
     mesh = make_mesh(degrees)
     sizes = dict(mesh.shape)
     rules = make_rules(MeshConfig(**{"data": 1, **degrees}), sizes)
@@ -138,9 +177,9 @@ def test_expert_parallel_layer_equals_dense_reference(layer_case, degrees):
 
     compiled = jax.jit(run, in_shardings=(param_sh, x_sh, x_sh)).lower(
         params, x_btd, r_btd).compile()
-    assert ("all-to-all" in compiled.as_text()) == (sizes["expert"] > 1)
+    assert (collective in compiled.as_text()) == (sizes["expert"] > 1)
     got = jax.device_get(compiled(params, x_btd, r_btd))
-    for case in CAPACITY_FACTORS:
+    for case in cases:
         (value, (out, stats)), (g_params, g_x) = got[case]
         (ref_value, (ref_out, ref_stats)), (ref_g_params, ref_g_x) = ref[case]
         assert relative_error(out, ref_out) < TOL and relative_error(g_x, ref_g_x) < TOL, case
@@ -234,3 +273,19 @@ def test_param_counts_theory_matches_moe_model():
 def test_bad_moe_configs_are_clear(mesh, changes, needle):
     with pytest.raises(ConfigError, match=needle):
         build_setup(tiny_config(mesh, **changes))
+
+
+def test_dropless_all_to_alls_match_theory():
+    """Dropless on expert=4,data=2: per MoE layer the padded rows cross ``expert`` four
+    times (there and back, forward and backward) and their expert ids once."""
+    config = tiny_config(MeshConfig(expert=4, data=2), **{**MOE, "moe_dispatch": "dropless"})
+    setup = build_setup(config)
+    tc = config.train
+    batches, _ = data_lib.make_batches(tc.data, tc.batch_size, tc.seq_len, tc.seed)
+    hlo = make_train_step(setup, donate=False).lower(
+        init_state(setup, 0), data_lib.global_batch(batches, 0, setup.batch_sharding)
+    ).compile().as_text()
+    a2a = [c for c in parse_collectives(hlo, setup.mesh) if c.kind == "all-to-all"]
+    assert {c.axes for c in a2a} == {("expert",)} and sum(c.count for c in a2a) == 5
+    theory = [t for t in comm_terms(config, setup.sizes) if t.kind == "all-to-all"]
+    assert sum(c.total_bytes_per_device for c in a2a) == sum(t.bytes_per_device for t in theory)

@@ -144,10 +144,12 @@ plt.show()
 # %% [markdown]
 # ## 2. Mixture of experts with expert parallelism
 # `moe-tiny` has 8 experts (top-2 routing) in every second layer. With `expert=4` each
-# device holds 2 experts; each device routes its own tokens into per-expert capacity
-# buffers, and an all-to-all over `expert` sends every expert's buffer to the device that
-# holds it (and another brings the results back): 4 all-to-alls per MoE layer, forward
-# and backward.
+# device holds 2 experts; each device sorts its own (token, choice) pairs by expert
+# (dropless routing, the default: no token is dropped), and an all-to-all over `expert`
+# sends each expert's rows to the device that holds it (and another brings the results
+# back): 5 all-to-alls per MoE layer (rows and their expert ids there, outputs back, and
+# the rows' two in backward). `model.moe_dispatch=capacity` gives GShard's capacity
+# buffers instead (4 all-to-alls, overflow dropped).
 
 # %%
 moe_config = shardlib.Config(

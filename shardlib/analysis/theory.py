@@ -301,14 +301,23 @@ def moe_buffer(g: Geometry) -> Fraction:
 
 
 def expert_terms(g: Geometry) -> list[Term]:
-    """Expert parallelism over ``expert`` (``X``): each MoE layer all-to-alls its capacity
-    buffer to the experts' devices and back, in forward and backward:
-    ``4 L_moe (X-1)/X b E C d 4``."""
-    x = g.n("expert")
-    if x == 1 or not moe_layers(g.model):
+    """Expert parallelism over ``expert`` (``X``): each MoE layer all-to-alls its tokens to
+    the experts' devices and back, in forward and backward. Capacity dispatch sends its
+    buffer: ``4 L_moe (X-1)/X b E C d 4``. Dropless sends a padded buffer of ``X`` slots
+    per assignment (``A = b T k``, the worst case of all going to one device): the rows
+    four times and their int32 expert ids once, ``L_moe (X-1)/X X A (4 d 4 + 4)``."""
+    x, m = g.n("expert"), g.model
+    if x == 1 or not moe_layers(m):
         return []
-    return [_term("tokens all-to-all", ["expert"], "all-to-all", x, moe_buffer(g),
-                  4 * moe_layers(g.model), "4 L_moe x (X-1)/X b E C d 4")]
+    if m.moe_dispatch == "capacity":
+        return [_term("tokens all-to-all", ["expert"], "all-to-all", x, moe_buffer(g),
+                      4 * moe_layers(m), "4 L_moe x (X-1)/X b E C d 4")]
+    rows = x * g.local_batch * g.seq_len * m.moe_top_k  # padded slots sent per device
+    return [_term("dropless rows all-to-all", ["expert"], "all-to-all", x,
+                  Fraction(rows * m.d_model * g.act_bytes), 4 * moe_layers(m),
+                  "4 L_moe x (X-1)/X X b T k d 4"),
+            _term("dropless expert ids all-to-all", ["expert"], "all-to-all", x,
+                  Fraction(rows * 4), moe_layers(m), "L_moe x (X-1)/X X b T k 4")]
 
 
 def comm_terms(config: Config, sizes: Mapping[str, int], param_bytes: int = PARAM_BYTES,

@@ -16,6 +16,10 @@ gates. ``hooks.expert_ffn`` runs the experts (``local_ffn``, or ``parallel.moe``
 dispatch, with an all-to-all over the ``expert`` axis when the experts are split over
 devices). A gated expert is ``act(x w_gate) * (x w_in)``, then ``w_out``, as the dense
 gated MLP (``layers.MLP``).
+
+That is ``model.moe_dispatch="capacity"``. The default, ``"dropless"``, keeps every
+assignment: ``hooks.dropless_ffn`` sorts them by expert and runs the experts as grouped
+matmuls (``models.grouped``; ``parallel.moe`` when the experts are split over devices).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from flax import nnx
 from shardlib import hooks
 from shardlib.config import ModelConfig
 from shardlib.errors import ConfigError
+from shardlib.models.grouped import dropless_ffn
 from shardlib.models.layers import ACTIVATIONS, MLP, call_gathered, normal, param
 from shardlib.models.router import (
     MAX_EXPERTS,
@@ -43,7 +48,9 @@ from shardlib.models.router import (
     choose,
     top_k_experts,
 )
-from shardlib.sharding import constrain
+from shardlib.sharding import compute_platform, constrain
+
+DISPATCHES = ("dropless", "capacity")
 
 
 class Routing(NamedTuple):
@@ -84,6 +91,18 @@ def capacity_dispatch(choices: Choices, num_experts: int, capacity: int) -> Rout
     kept_b = jnp.sum(keep_bne, axis=(1, 2)) / keep_bne.shape[1]
     stats = {**choices.stats, "dropped_frac": 1.0 - jnp.mean(kept_b)}
     return Routing(dispatch_btec, combine_btec, stats)
+
+
+def local_dropless(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: jax.Array,
+                   w_in_edf: jax.Array, w_gate_edf: jax.Array | None, w_out_efd: jax.Array, *,
+                   activation: str) -> jax.Array:
+    """Dropless experts over all the tokens on hand, with the compiled-for platform's
+    grouped matmul (``models.grouped``)."""
+    b, t, d = x_btd.shape
+    y_nd = dropless_ffn(x_btd.reshape(b * t, d), experts_btk.reshape(b * t, -1),
+                        gates_btk.reshape(b * t, -1), w_in_edf, w_gate_edf, w_out_efd,
+                        activation=ACTIVATIONS[activation], platform=compute_platform())
+    return y_nd.reshape(b, t, d)
 
 
 def top_k_choices(probs_bte: jax.Array, top_k: int) -> jax.Array:
@@ -134,6 +153,7 @@ class MoEMLP(nnx.Module):
         self.route_scale, self.activation = cfg.moe_route_scale, cfg.activation
         self.gated, self.has_shared = cfg.mlp == "gated", cfg.moe_shared_d_ff > 0
         self.shared_gate, self.balanced = cfg.moe_shared_gate, cfg.moe_bias_rate > 0
+        self.dispatch = cfg.moe_dispatch
 
     def choose(self, x_btd: jax.Array) -> Choices:
         """Router logits in fp32, then each token's top-k experts and gates."""
@@ -155,6 +175,8 @@ class MoEMLP(nnx.Module):
         return self.w_in_edf[...], gate, self.w_out_efd[...]
 
     def __call__(self, x_btd: jax.Array) -> tuple[jax.Array, MoEStats]:
+        if self.dispatch == "dropless":
+            return self.dropless(x_btd)
         routing = self.route(x_btd)
         w_in_edf, w_gate_edf, w_out_efd = self.experts()
         x_becd = jnp.einsum("btd,btec->becd", x_btd, routing.dispatch_btec.astype(x_btd.dtype))
@@ -163,6 +185,15 @@ class MoEMLP(nnx.Module):
         out_btd = jnp.einsum("becd,btec->btd", y_becd, routing.combine_btec.astype(y_becd.dtype))
         out_btd = constrain(out_btd, ("act_batch", "act_res_seq", "act_embed"))
         return self.add_shared(x_btd, out_btd), routing.stats
+
+    def dropless(self, x_btd: jax.Array) -> tuple[jax.Array, MoEStats]:
+        """Every assignment through its expert (sorted, grouped matmuls, unsorted)."""
+        choices = self.choose(x_btd)
+        out_btd = hooks.dropless_ffn(x_btd, choices.experts_btk, choices.gates_btk,
+                                     *self.experts(), activation=self.activation,
+                                     local=local_dropless)
+        out_btd = constrain(out_btd, ("act_batch", "act_res_seq", "act_embed"))
+        return self.add_shared(x_btd, out_btd), dropless_stats(choices)
 
     def add_shared(self, x_btd: jax.Array, out_btd: jax.Array) -> jax.Array:
         """The routed output plus the shared expert's (times its sigmoid gate), if any."""
@@ -176,10 +207,22 @@ class MoEMLP(nnx.Module):
 
     def reference(self, x_btd: jax.Array) -> tuple[jax.Array, MoEStats]:
         """The same layer computed densely (every token through every expert, masked)."""
-        routing = self.route(x_btd)
-        weight_bte = jnp.sum(routing.combine_btec, axis=-1).astype(x_btd.dtype)
-        out_btd = dense_experts(x_btd, weight_bte, *self.experts(), activation=self.activation)
-        return self.add_shared(x_btd, out_btd), routing.stats
+        if self.dispatch == "dropless":
+            choices = self.choose(x_btd)
+            one_hot_btke = jax.nn.one_hot(choices.experts_btk, self.w_router_de.shape[-1])
+            weight_bte = jnp.einsum("btk,btke->bte", choices.gates_btk, one_hot_btke)
+            stats = dropless_stats(choices)
+        else:
+            routing = self.route(x_btd)
+            weight_bte, stats = jnp.sum(routing.combine_btec, axis=-1), routing.stats
+        out_btd = dense_experts(x_btd, weight_bte.astype(x_btd.dtype), *self.experts(),
+                                activation=self.activation)
+        return self.add_shared(x_btd, out_btd), stats
+
+
+def dropless_stats(choices: Choices) -> MoEStats:
+    """The router's statistics with nothing dropped."""
+    return {**choices.stats, "dropped_frac": jnp.zeros((), jnp.float32)}
 
 
 def dense_experts(x_btd: jax.Array, weight_bte: jax.Array, w_in_edf: jax.Array,
@@ -269,6 +312,8 @@ def check_moe(cfg: ModelConfig, sizes: Mapping[str, int] | None = None) -> None:
                           f"model.num_experts={experts}")
     check_router(cfg)
     check_moe_layers(cfg)
+    if cfg.moe_dispatch not in DISPATCHES:
+        raise ConfigError(f"model.moe_dispatch={cfg.moe_dispatch!r}: use one of {DISPATCHES}")
     if not cfg.moe_capacity_factor > 0:
         raise ConfigError(f"model.moe_capacity_factor={cfg.moe_capacity_factor} must be > 0")
     if experts % ep:

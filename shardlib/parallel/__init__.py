@@ -8,4 +8,5 @@ from shardlib.parallel import context, moe, tensor
 hooks.install_layer_hooks(
     enter_region=tensor.enter_region, exit_region=tensor.exit_region,
     sequence_rows=tensor.sequence_rows, vocab_lookup=tensor.vocab_lookup,
-    attention=context.attend, expert_ffn=moe.expert_ffn)
+    attention=context.attend, expert_ffn=moe.expert_ffn,
+    dropless_ffn=moe.dropless_ffn)
