@@ -20,7 +20,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlib import cli
-from shardlib.config import Config, MeshConfig, TrainConfig, parse_mesh
+from shardlib.config import AttentionConfig, Config, MeshConfig, TrainConfig, parse_mesh
 from shardlib.errors import ConfigError, OutOfMemoryError
 from shardlib.inspect import Inspection, analyze, inspect, per_axis
 from shardlib.mesh import make_mesh
@@ -116,6 +116,25 @@ def test_every_strategy_compiles_for_a_tpu_slice(name):
         (name, sorted({(c.kind, c.axes) for c in ins.collectives}))
     assert ins.setup.policy.compute == jnp.bfloat16  # precision.policy=auto on the target
     assert ins.fits and 0 < ins.memory.peak_bytes < 2**30
+
+
+# ----------------------------------------------------------------------------- attention
+@needs_libtpu
+@pytest.mark.parametrize("mesh, explicit", [
+    ("fsdp=8", True),  # explicit FSDP: a shard_map manual over the batch axes
+    ("fsdp=4,tensor=2", True),  # Megatron TP + FSDP: a shard_map manual over every axis
+    ("data=2,fsdp=2,tensor=2", False),  # XLA's partitioner: splash gets a shard_map of its own
+])
+def test_auto_attention_is_splash_through_mosaic_on_tpu(mesh, explicit):
+    """``attention.impl=auto`` on a TPU target picks splash inside the train step's
+    shard_map (which checks varying manual axes) and under XLA's partitioner alike, and
+    its forward, dK/dV and dQ Pallas kernels compile through Mosaic."""
+    config = tiny_config(dataclasses.replace(parse_mesh(mesh), explicit_collectives=explicit))
+    config = dataclasses.replace(config, attention=AttentionConfig(impl="auto"),
+                                 train=dataclasses.replace(config.train, seq_len=256))
+    ins = analyze(config, target=SLICE)
+    assert ins.attention == "splash (Mosaic)"
+    assert ins.kernels.mosaic_calls >= 3, ins.kernels
 
 
 # ----------------------------------------------------------------------------- bytes
