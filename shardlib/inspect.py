@@ -154,12 +154,19 @@ def _sizes_in(message: str) -> tuple[int | None, int | None]:
     return (None if first is None else int(first)), (None if second is None else int(second))
 
 
+CONTEXT_KERNELS = {"ring": "chunked", "allgather": "xla"}  # what these methods run per block
+
+
 def attention_kernel(setup: TrainSetup) -> str:
-    """The kernel ``attention.impl`` resolves to on the setup's platform."""
+    """The kernel ``attention.impl`` resolves to on the setup's platform (ring and
+    all-gather context parallelism run their own, whatever ``attention.impl`` says)."""
     cfg, model = setup.config, setup.config.model
+    method = cfg.attention.context_parallel
+    if setup.sizes.get("sequence", 1) > 1 and method in CONTEXT_KERNELS:
+        return CONTEXT_KERNELS[method]
     return resolve_attention(cfg.attention.impl, backend=platform_of(setup.mesh),
                              seq_len=cfg.train.seq_len, dtype=setup.policy.compute,
-                             head_dim=model.head_dim, manual=True,  # the step's shard_map
+                             head_dim=model.head_dim,
                              capability=capability_of(setup.mesh))
 
 

@@ -33,11 +33,11 @@ from shardlib.models.attention import (
     cudnn_attention,
     manual_everywhere,
     resolve,
-    splash_attention,
     textbook_attention,
     using_kernel,
 )
 from shardlib.models.flash import chunked_attention, chunked_attention_with_lse
+from shardlib.models.splash import splash_attention
 from shardlib.train.state import build_setup, init_state
 from shardlib.train.step import loss_fn, make_train_step
 from tests.helpers import packed_batch, relative_error, tiny_config
@@ -163,14 +163,38 @@ def test_splash_equals_textbook_in_pallas_interpreter():
         splash_attention(*qkv(100, b=1), interpret=True)
 
 
+@pytest.mark.parametrize("degrees, spec, manual", [
+    ({"fsdp": 8}, P("fsdp"), {"fsdp"}),  # explicit FSDP: manual over the batch axes
+    ({"fsdp": 4, "tensor": 2}, P("fsdp", None, "tensor"), None),  # TP: manual over all
+])
+def test_splash_inside_a_shard_map_that_checks_varying_axes(degrees, spec, manual):
+    """Inside the train step's kind of shard_map (``check_vma=True``) splash's output and
+    q/k/v gradients (grouped-query, packed documents) equal the textbook kernel's."""
+    mesh = make_mesh(degrees)
+    q, k, v = qkv(128, heads=4, kv_heads=2, b=8, d=16)
+    seg = packed_segments(128, [[50, 78]] * 8)
+    kv_spec = P(spec[0], None, *spec[2:])
+
+    def sharded(kernel):
+        def local(q, k, v, seg):
+            return kernel(q, k, v, segment_ids=seg)
+        axes = {} if manual is None else {"axis_names": manual}
+        return lambda q, k, v: jax.shard_map(
+            local, mesh=mesh, in_specs=(spec, kv_spec, kv_spec, P(spec[0])), out_specs=spec,
+            **axes)(q, k, v, seg)
+
+    got = value_and_grads(sharded(lambda *a, **kw: splash_attention(*a, **kw, interpret=True)))
+    want = value_and_grads(lambda q, k, v: textbook_attention(q, k, v, segment_ids=seg))
+    for a, b in zip(jax.tree.leaves(got(q, k, v)), jax.tree.leaves(want(q, k, v)), strict=True):
+        np.testing.assert_allclose(a, b, **KERNEL_TOL)
+
+
 def test_auto_rule():
     f32, bf16 = jnp.float32, jnp.bfloat16
     assert resolve("auto", backend="cpu", seq_len=512, dtype=f32, head_dim=64) == "xla"
     assert resolve("auto", backend="cpu", seq_len=4096, dtype=f32, head_dim=64) == "chunked"
     assert resolve("auto", backend="tpu", seq_len=4096, dtype=bf16, head_dim=64) == "splash"
     assert resolve("auto", backend="tpu", seq_len=4000, dtype=bf16, head_dim=64) == "chunked"
-    assert resolve("auto", backend="tpu", seq_len=4096, dtype=bf16, head_dim=64,
-                   manual=True) == "chunked"  # inside the train step's shard_map
     assert resolve("auto", backend="gpu", seq_len=512, dtype=bf16, head_dim=64) == "cudnn"
     assert resolve("auto", backend="gpu", seq_len=4096, dtype=f32, head_dim=64) == "chunked"
     assert resolve("chunked", backend="gpu", seq_len=8, dtype=bf16, head_dim=64) == "chunked"

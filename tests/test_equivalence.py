@@ -5,7 +5,8 @@ Three fp32 AdamW steps of the tiny GPT on each mesh give the single-device losse
 error in norm). Per-element comparison would be wrong for Adam: a gradient that is ~0
 can flip sign under a different reduction order and move one element by lr.
 The gradients are also held to one device with the chunked (flash) attention kernel on
-every mesh.
+every mesh, and with TPU splash attention (Pallas' interpreter, T=128: splash's block)
+inside the explicit FSDP and FSDP + TP steps' shard_map and under XLA's partitioner.
 """
 
 import dataclasses
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from shardlib.config import AttentionConfig, MeshConfig
+from shardlib.models import splash as splash_lib
 from tests.helpers import loss_and_grads, relative_error, run_steps, tiny_config
 
 TOL = 1e-5
@@ -115,5 +117,37 @@ def test_dropless_moe_matches_single_device(name, moe_reference):
     np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
     assert losses[-1] < losses[0]
     errors = {path: relative_error(params[path], ref_params[path]) for path in ref_params}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOL, f"{worst}: relative error {errors[worst]:.2e}"
+
+
+def splash_sized(config, impl: str):
+    """``config`` at T=128 (splash's block) with ``attention.impl=impl``."""
+    return dataclasses.replace(config, attention=AttentionConfig(impl=impl),
+                               train=dataclasses.replace(config.train, seq_len=128))
+
+
+@pytest.fixture(scope="module")
+def reference_grads_t128():
+    return loss_and_grads(splash_sized(tiny_config(MeshConfig(data=1)), "xla"), num_devices=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp=8", "fsdp=4,tensor=2,sp", "data=2,fsdp=2,tensor=2,xla"])
+def test_splash_attention_gradients_match_single_device(name, reference_grads_t128,
+                                                        monkeypatch):
+    """``attention.impl=splash`` (run by Pallas' interpreter on CPU) inside the train
+    step's shard_map, which checks varying manual axes, and in a shard_map of its own
+    under XLA's partitioner, against one device with XLA's kernel."""
+    calls = []
+    splash = splash_lib.splash_attention
+    monkeypatch.setattr(splash_lib, "splash_attention",
+                        lambda *a, **kw: calls.append(1) or splash(*a, **kw))
+    ref_loss, ref_grads = reference_grads_t128
+    with splash_lib.interpreted():
+        loss, grads = loss_and_grads(splash_sized(tiny_config(STRATEGIES[name]), "splash"))
+    assert calls  # the model's attention really ran splash
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
+    errors = {path: relative_error(grads[path], ref_grads[path]) for path in ref_grads}
     worst = max(errors, key=errors.get)
     assert errors[worst] <= TOL, f"{worst}: relative error {errors[worst]:.2e}"

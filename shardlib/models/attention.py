@@ -10,14 +10,14 @@
   only, head dim a multiple of 8 up to 128 (256 from Hopper, 9.0). The GPU's capability
   is the target's (``sharding.compute_capability``): jax's own checks ask the host's
   backend, so compiling ahead of time for a GPU that is not there they do not run.
-- ``splash``: TPU splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``),
-  a Pallas flash kernel with causal and segment masks. TPU only; the sequence a multiple
-  of ``SPLASH_BLOCK`` (128). Tested on CPU through Pallas' interpreter.
+- ``splash``: TPU splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``,
+  ``models.splash``), a Pallas flash kernel with causal and segment masks, also inside the
+  train step's ``shard_map``. TPU only; the sequence a multiple of ``SPLASH_BLOCK`` (128).
+  Tested on CPU through Pallas' interpreter.
 - ``auto``: ``cudnn`` on an sm80+ GPU when the compute dtype is bf16/fp16 and the head
-  dim is a multiple of 8 up to 128; ``splash`` on TPU when the sequence is a multiple of 128
-  and the call is not inside a ``shard_map`` (the train step's is: see ``check_kernel``);
-  otherwise ``chunked`` when the sequence is at least ``AUTO_CHUNKED_FROM`` (1024) tokens;
-  otherwise ``xla`` (``resolve`` is the rule).
+  dim is a multiple of 8 up to 128; ``splash`` on TPU when the sequence is a multiple of
+  128; otherwise ``chunked`` when the sequence is at least ``AUTO_CHUNKED_FROM`` (1024)
+  tokens; otherwise ``xla`` (``resolve`` is the rule).
 
 Every kernel takes q (B, T, H, K) and k, v (B, S, G, K) with G dividing H (grouped-query
 attention), is causal, and takes optional ``segment_ids`` (B, T) int: the document of
@@ -38,20 +38,18 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.splash_attention import (
-    splash_attention_kernel as splash_kernel,
-)
-from jax.experimental.pallas.ops.tpu.splash_attention import (
-    splash_attention_mask as splash_mask,
-)
 from jax.sharding import PartitionSpec as P
 
 from shardlib.errors import ConfigError
 from shardlib.models.flash import chunked_attention
+from shardlib.models.splash import (
+    SPLASH_BLOCK,
+    interpreting,
+    partitioned_splash,
+)
 from shardlib.sharding import compute_capability, compute_platform
 
 KERNELS = ("xla", "chunked", "cudnn", "splash", "auto")
-SPLASH_BLOCK = 128  # splash's query / key block: the sequence must be a multiple of it
 AUTO_CHUNKED_FROM = 1024  # auto: sequences at least this long use the chunked kernel
 HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 CUDNN_MIN_CAPABILITY = (8, 0)  # cuDNN fused attention: Ampere or newer (not a T4, 7.5)
@@ -69,12 +67,11 @@ def cudnn_max_head_dim(capability: Capability) -> int:
     return 256 if capability is not None and capability >= CUDNN_WIDE_HEADS_FROM else 128
 
 
-def check_kernel(kernel: str, chunk: int, *, backend: str, capability: Capability = None,
-                 train_step: bool = False) -> None:
+def check_kernel(kernel: str, chunk: int, *, backend: str,
+                 capability: Capability = None) -> None:
     """ConfigError naming the field, the value and the fix, or nothing (``capability``:
-    the GPU's compute capability, where known). ``train_step``: the kernel runs inside the
-    train step's ``shard_map``, where splash cannot (jax 0.10's splash kernel gives its
-    outputs no varying-axes type, which ``check_vma`` refuses)."""
+    the GPU's compute capability, where known). Splash runs off TPU only in Pallas'
+    interpreter (``models.splash.interpreted``: the CPU tests)."""
     if kernel not in KERNELS:
         raise ConfigError(f"attention.impl={kernel!r}: unknown kernel; use one of "
                           f"{', '.join(KERNELS)} (e.g. --set attention.impl=chunked)")
@@ -88,15 +85,10 @@ def check_kernel(kernel: str, chunk: int, *, backend: str, capability: Capabilit
                           f"compute capability {major}.{minor} (Ampere) or newer, the mesh's "
                           f"GPU is {sm(capability)}; use attention.impl=auto "
                           "(picks chunked or xla there), chunked or xla")
-    if kernel == "splash" and backend != "tpu":
+    if kernel == "splash" and backend != "tpu" and not interpreting():
         raise ConfigError(f"attention.impl=splash needs a TPU, but the mesh's platform is "
                           f"{backend!r}; use attention.impl=chunked (long sequences) or xla, "
                           "or auto (picks splash on TPU)")
-    if kernel == "splash" and train_step:
-        raise ConfigError("attention.impl=splash cannot run inside shardlib's train step yet "
-                          "(the splash kernel's outputs carry no varying-axes type, which the "
-                          "step's shard_map checks); use attention.impl=chunked (O(T) memory, "
-                          "any backend) or auto")
     if chunk < 1:
         raise ConfigError(f"attention.chunk={chunk}: the chunked kernel's block must be >= 1 "
                           "token (e.g. 512)")
@@ -109,16 +101,15 @@ def sm(capability: Capability) -> str:
 
 
 def resolve(kernel: str, *, backend: str, seq_len: int, dtype, head_dim: int,
-            capability: Capability = None, manual: bool = False) -> str:
+            capability: Capability = None) -> str:
     """The concrete kernel ``kernel`` means here (``auto``'s rule; others are themselves);
-    ``capability``: the GPU's compute capability (cuDNN's needs sm80+); ``manual``: called
-    inside a ``shard_map`` (splash cannot run there)."""
+    ``capability``: the GPU's compute capability (cuDNN's needs sm80+)."""
     if kernel != "auto":
         return kernel
     if (backend == "gpu" and cudnn_supports(capability) and jnp.dtype(dtype) in HALF
             and head_dim % 8 == 0 and head_dim <= 128):
         return "cudnn"
-    if backend == "tpu" and seq_len % SPLASH_BLOCK == 0 and not manual:
+    if backend == "tpu" and seq_len % SPLASH_BLOCK == 0:
         return "splash"
     return "chunked" if seq_len >= AUTO_CHUNKED_FROM else "xla"
 
@@ -130,7 +121,7 @@ def describe(kernel: str, *, seq_len: int, dtype, head_dim: int,
     backend = compute_platform() if backend is None else backend
     capability = compute_capability() if backend == "gpu" else None
     chosen = resolve(kernel, backend=backend, seq_len=seq_len, dtype=dtype, head_dim=head_dim,
-                     capability=capability, manual=True)
+                     capability=capability)
     where = f"{backend} {sm(capability)}" if capability else backend
     return (f"attention: {chosen} kernel (attention.impl={kernel}; {where}, "
             f"{jnp.dtype(dtype).name}, T={seq_len})")
@@ -251,33 +242,6 @@ def manual_everywhere(f: Callable) -> Callable:
     return jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=auto)
 
 
-def splash_attention(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
-                     causal: bool = True, segment_ids: jax.Array | None = None,
-                     interpret: bool = False) -> jax.Array:
-    """TPU splash attention, one (heads, T, K) call per batch row; K/V heads repeated to
-    the query heads. ``interpret``: run the Pallas kernel in its interpreter (CPU tests)."""
-    b, t, h, d = q_bthk.shape
-    s, g = k_bsgk.shape[1], k_bsgk.shape[2]
-    if t % SPLASH_BLOCK or s % SPLASH_BLOCK:
-        raise ConfigError(f"attention.impl=splash: sequence length {t} is not a multiple of "
-                          f"{SPLASH_BLOCK}; pad the batch (train.seq_len) or use "
-                          "attention.impl=chunked")
-    head = splash_mask.CausalMask((t, s)) if causal else splash_mask.FullMask((t, s))
-    block = SPLASH_BLOCK
-    sizes = splash_kernel.BlockSizes(
-        block_q=block, block_kv_compute=block, block_kv=block, block_q_dkv=block,
-        block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    kernel = splash_kernel.make_splash_mha(splash_mask.MultiHeadMask([head] * h),
-                                           head_shards=1, q_seq_shards=1, block_sizes=sizes,
-                                           interpret=interpret)
-    q_bhtk = jnp.swapaxes(q_bthk, 1, 2) * jnp.asarray(d ** -0.5, q_bthk.dtype)
-    k_bhsk, v_bhsk = (jnp.swapaxes(jnp.repeat(a, h // g, axis=2), 1, 2) for a in (k_bsgk, v_bsgk))
-    ids_bt = jnp.zeros((b, t), jnp.int32) if segment_ids is None else segment_ids
-    per_row = lambda q, k, v, ids: kernel(q, k, v, segment_ids=splash_kernel.SegmentIds(ids, ids))  # noqa: E731
-    rows = lambda q, k, v, ids: jax.vmap(per_row)(q, k, v, ids)  # noqa: E731
-    return jnp.swapaxes(rows(q_bhtk, k_bhsk, v_bhsk, ids_bt), 1, 2)
-
-
 def attend(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
            kernel: str | None = None, chunk: int | None = None, causal: bool = True,
            segment_ids: jax.Array | None = None) -> jax.Array:
@@ -286,15 +250,15 @@ def attend(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
     kernel = active.kernel if kernel is None else kernel
     chunk = active.chunk if chunk is None else chunk
     backend, capability = compute_platform(), compute_capability()
-    manual = bool(jax.sharding.get_abstract_mesh().manual_axes)
     chosen = resolve(kernel, backend=backend, seq_len=q_bthk.shape[1], dtype=q_bthk.dtype,
-                     head_dim=q_bthk.shape[-1], capability=capability, manual=manual)
+                     head_dim=q_bthk.shape[-1], capability=capability)
     if chosen == "chunked":
         return chunked_attention(q_bthk, k_bsgk, v_bsgk, causal=causal,
                                  segment_ids=segment_ids, block_q=chunk, block_k=chunk)
     if chosen == "splash":
         check_kernel(chosen, chunk, backend=backend)
-        return splash_attention(q_bthk, k_bsgk, v_bsgk, causal=causal, segment_ids=segment_ids)
+        return partitioned_splash(q_bthk, k_bsgk, v_bsgk, causal=causal,
+                                  segment_ids=segment_ids)
     if chosen == "cudnn":
         check_kernel(chosen, chunk, backend=backend, capability=capability)
         return cudnn_attention(q_bthk, k_bsgk, v_bsgk, causal=causal, segment_ids=segment_ids,

@@ -126,7 +126,7 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None) -> Trai
                            num_heads=config.model.num_heads, seq_len=config.train.seq_len)
     check_pipeline(config, sizes)
     check_kernel(config.attention.impl, config.attention.chunk, backend=platform_of(mesh),
-                 capability=capability_of(mesh), train_step=True)
+                 capability=capability_of(mesh))
     comm_lib.check_comm(config.comm, sizes, zero=config.mesh.zero,
                         loss_scaling=policy.loss_scaling)
     if config.model.moe_bias_rate > 0 and comm_lib.diloco_enabled(config.comm):
