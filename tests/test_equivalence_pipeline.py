@@ -9,6 +9,11 @@ model's two layers make one per stage.
 """
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +21,7 @@ import pytest
 from shardlib.config import AttentionConfig, Config, MeshConfig, PipelineConfig
 from shardlib.errors import ConfigError
 from shardlib.train.state import build_setup
+from tests.four_axis_cases import CASES as FOUR_AXIS
 from tests.helpers import packed_batch, relative_error, run_steps, tiny_config
 
 TOL = 1e-5
@@ -179,3 +185,38 @@ def test_tensor_rule_overrides_are_refused_under_pipeline():
         build_setup(config)
 
 
+
+
+@pytest.fixture(scope="module")
+def four_axis() -> dict:
+    """``tests.four_axis_cases`` in a 16-device subprocess: every case in one start-up."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+               [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=16", "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-m", "tests.four_axis_cases"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # ~1 min on 2 busy cores: one 16-device process, a reference, 2 meshes
+@pytest.mark.parametrize("name", [n for n, (_, _, moe) in FOUR_AXIS.items() if not moe])
+def test_four_axis_meshes_match_single_device(name, four_axis):
+    """16 devices, four axes of 2 with pipeline=2: losses and every parameter within 1e-5
+    of one device (TP inside each stage beside data x fsdp, or beside Ulysses and fsdp)."""
+    result = four_axis[name]
+    assert "refused" not in result, result
+    assert result["devices"] == 16 and result["trained"]
+    assert result["loss_rel_err"] <= TOL, result
+    assert result["param_rel_err"] <= TOL, result
+
+
+@pytest.mark.slow
+def test_four_axis_moe_mesh_is_refused_with_the_reason(four_axis):
+    """moe-tiny on pipeline=2,expert=2,fsdp=2,tensor=2: the experts' all-to-all and tensor
+    split cannot nest in the stages' shard_map, and the error says what to use instead."""
+    (name,) = [n for n, (_, _, moe) in FOUR_AXIS.items() if moe]
+    message = four_axis[name].get("refused", "")
+    assert "num_experts=8 with pipeline=2 and expert=2, tensor=2" in message, four_axis[name]
+    assert "use data or fsdp beside pipeline" in message
