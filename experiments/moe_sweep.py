@@ -14,6 +14,13 @@ per device; nothing runs), and its step time on the CPU devices at 512 tokens.
     python experiments/moe_sweep.py --quick    # 8 experts only, 40 steps
     python experiments/moe_sweep.py --resume   # keep the sweep points already in the CSV
     python experiments/moe_sweep.py --dispatch # dropless vs capacity -> moe_dispatch.csv
+    python experiments/moe_sweep.py --balance  # load balance settings -> moe_balance.csv
+
+``--balance``: ``moe-fine`` (64 gated experts, top-8, a shared expert) trained for 100
+steps on ``data=2,expert=4`` with no balancing, the auxiliary loss only, and DeepSeek-V3's
+auxiliary-loss-free bias at two rates; ``moe_load_max`` (max / mean tokens per expert,
+averaged over MoE layers) at every step and the final loss of each (about 9 minutes on
+a shared 2-core host, most of it compiling the five steps).
 
 Writes ``experiments/results/moe_sweep.csv``, ``moe_load.csv`` and ``moe_sweep.png``.
 CPU timings on simulated devices measure overheads more than real parallel speed: all
@@ -209,6 +216,65 @@ def load_run(steps: int, every: int, aux_weight: float) -> list[dict]:
     return rows
 
 
+BALANCE_SETTINGS = {  # name: (moe_score, moe_aux_weight, moe_bias_rate)
+    "softmax, none": ("softmax", 0.0, 0.0),
+    "softmax, aux 0.01": ("softmax", 0.01, 0.0),
+    "sigmoid, none": ("sigmoid", 0.0, 0.0),
+    "sigmoid, bias 0.001": ("sigmoid", 0.0, 0.001),
+    "sigmoid, bias 0.01": ("sigmoid", 0.0, 0.01),
+}
+
+
+def balance_run(name: str, steps: int) -> list[dict]:
+    """Train moe-fine on data=2,expert=4 under one ``BALANCE_SETTINGS`` entry; one row
+    per step with its ``moe_load_max`` and loss."""
+    score, aux, rate = BALANCE_SETTINGS[name]
+    model = dataclasses.replace(get_preset("moe-fine"), moe_score=score, moe_aux_weight=aux,
+                                moe_bias_rate=rate)
+    config = Config(mesh=MeshConfig(expert=4, data=2), model=model,
+                    optim=OptimConfig(lr=3e-3, warmup_steps=10),
+                    train=TrainConfig(steps=steps, batch_size=BATCH, seq_len=SEQ,
+                                      data="stdlib", eval_every=0, sample_tokens=0))
+    setup = build_setup(config)
+    batches, _ = data_lib.make_batches("stdlib", BATCH, SEQ, 0)
+    state, step = init_state(setup, 0), make_train_step(setup)
+    rows = []
+    for i in range(steps):
+        state, metrics = step(state, data_lib.global_batch(batches, i, setup.batch_sharding))
+        rows.append({"setting": name, "score": score, "aux_weight": aux, "bias_rate": rate,
+                     "step": i, "moe_load_max": round(float(metrics["moe_load_max"]), 4),
+                     "loss": round(float(metrics["loss"]), 4)})
+    return rows
+
+
+def balance_table(rows: list[dict], last: int) -> list[dict]:
+    """Per setting: mean ``moe_load_max`` over the first and the last ``last`` steps,
+    its spread (min..max) over the last ones, and the final loss."""
+    table = []
+    for name in dict.fromkeys(r["setting"] for r in rows):
+        mine = [r for r in rows if r["setting"] == name]
+        tail = [r["moe_load_max"] for r in mine[-last:]]
+        table.append({"setting": name,
+                      "load_max_first": round(statistics.mean(
+                          r["moe_load_max"] for r in mine[:last]), 2),
+                      "load_max_last": round(statistics.mean(tail), 2),
+                      "last_min": min(tail), "last_max": max(tail),
+                      "final_loss": statistics.mean(r["loss"] for r in mine[-5:])})
+    return table
+
+
+def balance_sweep(steps: int) -> None:
+    """Every ``BALANCE_SETTINGS`` entry: trajectory to moe_balance.csv, summary printed."""
+    rows: list[dict] = []
+    for name in BALANCE_SETTINGS:
+        tick = time.perf_counter()
+        rows += balance_run(name, steps)
+        write_csv(RESULTS / "moe_balance.csv", rows)
+        print(f"{name}: {time.perf_counter() - tick:.0f} s", flush=True)
+    for row in balance_table(rows, last=max(steps // 5, 1)):
+        print(row, flush=True)
+
+
 def write_csv(path: Path, rows: list[dict]) -> None:
     with path.open("w", newline="") as f:
         fields = list(dict.fromkeys(k for row in rows for k in row))  # union, in order
@@ -284,10 +350,17 @@ def main() -> None:
                         "already in moe_sweep.csv (it is rewritten after every point)")
     parser.add_argument("--dispatch", action="store_true", help="only the dropless vs "
                         "capacity comparison (moe_dispatch.csv)")
+    parser.add_argument("--balance", action="store_true", help="only the load-balance "
+                        "settings on moe-fine (moe_balance.csv)")
+    parser.add_argument("--steps", type=int, default=100, help="training steps per "
+                        "--balance setting")
     args = parser.parse_args()
     RESULTS.mkdir(exist_ok=True)
     if args.dispatch:
         dispatch_sweep(args.quick)
+        return
+    if args.balance:
+        balance_sweep(args.steps)
         return
     experts = (8,) if args.quick else (8, 16, 32)
     steps, every = (40, 10) if args.quick else (200, 20)

@@ -1,5 +1,7 @@
 """FLOPs of one train step: what XLA counts in the compiled program, and the model formula
-``6 Psi + 12 L T d`` per token (DESIGN.md section 5).
+``6 Psi_active + 12 L T d`` per token (DESIGN.md section 5; ``d`` is ``H h``, the query
+heads times their width). The run's MFU (``observe``) and the planner (``planner.cost``)
+both count with these functions.
 
 XLA's ``cost_analysis()`` counts the program of one device, and counts a while-loop body
 once: with ``model.scan_layers`` (the default) the layers' FLOPs appear once, not ``L``
@@ -15,7 +17,7 @@ from typing import Any
 import jax
 
 from shardlib.analysis.theory import param_counts
-from shardlib.config import Config
+from shardlib.config import Config, ModelConfig
 
 
 @dataclass(frozen=True)
@@ -48,13 +50,30 @@ def xla_flops(compiled: jax.stages.Compiled) -> float | None:
     return float(cost["flops"])
 
 
+def attention_flops_per_token(model: ModelConfig, seq_len: int) -> int:
+    """``12 L T H h``: the attention scores ``q k^T`` and the weighted sum ``p v`` (2 FLOPs
+    per multiply-add each, forward 1x and backward 2x) over all ``T`` keys, the causal half
+    not taken off. ``H h`` (query heads times head width) is ``d`` unless
+    ``attn_head_dim`` is set; grouped-query attention does not change it."""
+    return 12 * model.num_layers * seq_len * model.num_heads * model.head_dim
+
+
+def layer_active_params(model: ModelConfig) -> int:
+    """Active parameters inside the blocks (``param_counts(model).active`` less the token
+    embedding, LM head, learned positions and final norm): what ``remat=full`` recomputes."""
+    d = model.d_model
+    outside = model.vocab_size * d * (1 if model.tie_embeddings else 2) + d
+    outside += model.max_seq_len * d if model.pos_embedding == "learned" else 0
+    return param_counts(model).active - outside
+
+
 def model_flops_per_token(config: Config) -> int:
-    """``6 Psi`` (forward 2, backward 4 per parameter) ``+ 12 L T d`` (attention scores
-    and the weighted sum, forward and backward, counted without the causal half). For a
-    mixture of experts ``Psi`` counts the k experts a token uses, not all E."""
-    m = config.model
-    psi = param_counts(m).active
-    return 6 * psi + 12 * m.num_layers * config.train.seq_len * m.d_model
+    """``6 Psi_active`` (forward 2, backward 4 per parameter a token passes through)
+    ``+ 12 L T H h`` (attention, ``attention_flops_per_token``). For a mixture of experts
+    ``Psi_active`` counts the router, the k experts a token uses (not all E), the shared
+    expert and the dense layers (``ParamCounts.active``)."""
+    psi = param_counts(config.model).active
+    return 6 * psi + attention_flops_per_token(config.model, config.train.seq_len)
 
 
 def flops_report(config: Config, compiled: jax.stages.Compiled, num_devices: int) -> FlopsReport:

@@ -121,9 +121,11 @@ def param_counts(model: ModelConfig) -> ParamCounts:
     split = model.vocab_size * d  # token embedding (vocab, embed)
     split += 0 if model.tie_embeddings else d * model.vocab_size  # LM head (embed, vocab)
     kv = model.kv_heads * model.head_dim  # grouped-query attention: fewer K/V heads
-    split += layers * (2 * d * d + 2 * d * kv) + (layers - moe) * mats * d * model.d_ff
+    q = model.num_heads * model.head_dim  # = d unless attn_head_dim is set (Qwen3)
+    split += layers * (2 * d * q + 2 * d * kv) + (layers - moe) * mats * d * model.d_ff
     split += moe * mats * d * model.moe_shared_d_ff  # shared experts (a dense MLP each)
     replicated = (2 * layers + 1) * d  # two norms per block and the final norm
+    replicated += 2 * layers * model.head_dim if model.qk_norm else 0  # q and k head norms
     replicated += model.max_seq_len * d if model.pos_embedding == "learned" else 0
     replicated += moe * d * (experts + model.moe_shared_gate)  # routers, shared gates
     expert_ff = model.moe_d_ff or model.d_ff

@@ -41,6 +41,11 @@ from typing import Any
 
 from flax import nnx
 
+from shardlib.analysis.flops import (
+    attention_flops_per_token,
+    layer_active_params,
+    model_flops_per_token,
+)
 from shardlib.analysis.hlo import Collective
 from shardlib.analysis.peak import (
     fsdp_working_set,
@@ -50,7 +55,6 @@ from shardlib.analysis.peak import (
 )
 from shardlib.analysis.theory import (
     comm_terms,
-    param_counts,
     state_bytes_per_device,
     unit_elements,
 )
@@ -151,17 +155,16 @@ def predict(figures: Figures, cand: Candidate, profile: DeviceProfile,
 
 # --------------------------------------------------------------------------- FLOPs
 def flops_per_device(config: Config, cand: Candidate) -> float:
-    """Model FLOPs per device per step: ``6 Psi + 12 L T d`` per token, plus what the
-    remat policy recomputes in backward (``full``: the layers' forward, ``2 Psi_layers +
-    4 L T d``; ``dots``: the attention einsums, which have batch dims, ``4 L T d``). For a
-    mixture of experts ``Psi`` counts the k experts a token uses (``analysis.flops``)."""
+    """Model FLOPs per device per step: ``analysis.flops.model_flops_per_token`` (``6
+    Psi_active + 12 L T d``, the run's MFU formula), plus what the remat policy recomputes
+    in backward (``full``: the layers' forward, ``2 Psi_layers + 4 L T d``; ``dots``: the
+    attention einsums, which have batch dims, ``4 L T d``). For a mixture of experts the
+    ``Psi`` count only the k experts a token uses."""
     m, seq = config.model, config.train.seq_len
-    psi = param_counts(m).active
-    attention = 4 * m.num_layers * seq * m.d_model  # forward, per token
-    per_token = 6 * psi + 3 * attention
-    layer_params = m.num_layers * (4 * m.d_model**2 + 2 * m.d_model * m.d_ff)
+    per_token = model_flops_per_token(config)
+    attention = attention_flops_per_token(m, seq) // 3  # forward, per token
     per_token += {"none": 0, "dots": attention,
-                  "full": 2 * layer_params + attention}[cand.remat]
+                  "full": 2 * layer_active_params(m) + attention}[cand.remat]
     return per_token * config.train.batch_size * seq / math.prod(cand.sizes.values())
 
 
