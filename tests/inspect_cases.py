@@ -2,13 +2,15 @@
 
 Each is the tiny GPT (batch 8 x 32 tokens) on 8 simulated CPU devices. Pure tensor
 parallelism over 8 devices needs 8 heads; head count changes no byte count. The pipeline
-cases run 1F1B (2 and 4 microbatches) and interleaved 1F1B (2 chunks of one layer).
+cases run 1F1B (2 and 4 microbatches; twice under ``grad_accum=2``) and interleaved
+1F1B (2 chunks of one layer).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 
@@ -25,14 +27,20 @@ CASES: dict[str, tuple[MeshConfig, dict]] = {
     "dp_pp_fsdp": (MeshConfig(data=2, pipeline=2, fsdp=2), {}),
     "pp_tp_dp": (MeshConfig(data=2, pipeline=2, tensor=2), {}),
     "pp_interleaved": (MeshConfig(data=2, pipeline=2, fsdp=2), {"num_layers": 4}),
+    "pp_tp_accum": (MeshConfig(data=2, pipeline=2, tensor=2), {}),
 }
-PIPELINE = {"pp_interleaved": PipelineConfig(schedule="interleaved", virtual_stages=2)}
+EXTRA: dict[str, Callable[[Config], Config]] = {  # the pipeline cases' other settings
+    "pp_interleaved": lambda c: dataclasses.replace(
+        c, pipeline=PipelineConfig(schedule="interleaved", virtual_stages=2)),
+    "pp_tp_accum": lambda c: dataclasses.replace(
+        c, train=dataclasses.replace(c.train, grad_accum=2)),
+}
 
 
 def case_config(name: str) -> Config:
     mesh, model_changes = CASES[name]
     config = tiny_config(mesh, **model_changes)
-    return dataclasses.replace(config, pipeline=PIPELINE.get(name, config.pipeline))
+    return EXTRA.get(name, lambda c: c)(config)
 
 
 @functools.cache

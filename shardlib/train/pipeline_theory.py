@@ -17,10 +17,11 @@ count, ``A`` the ``train.grad_accum`` slices (each runs the whole schedule).
 - ``fsdp``: with ``mesh.reshard_after_forward`` each forward op gathers its layers and
   the embedding, each backward op its layers and every weight outside them, and
   reduce-scatters their gradients: ``A M V`` ops of each kind (``V`` chunks per device);
-  without it the stage gathers once and reduce-scatters once per step.
-- gradient reductions: the stage's layers over the batch axes (and ``sequence``, and
-  ``tensor`` for the norms under SP); the weights outside the layers over those and the
-  stages (only the first stage embeds, only the last computes the head).
+  without it the stage gathers once and reduce-scatters once per flush.
+- gradient reductions, once per flush (``A`` times a step): the stage's layers over the
+  batch axes (and ``sequence``, and ``tensor`` for the norms under SP); the weights
+  outside the layers over those and the stages (only the first stage embeds, only the
+  last computes the head).
 """
 
 from __future__ import annotations
@@ -79,10 +80,10 @@ def pipeline_terms(config: Config, sizes: Mapping[str, int], param_bytes: int = 
     return [*permute_terms(config, sizes, schedule, act_bytes, accum),
             *deal_terms(config, sizes, schedule, param_bytes),
             *stage_fsdp_terms(config, sizes, schedule, accum, param_bytes, gather_bytes),
-            *stage_replica_terms(config, sizes, param_bytes),
-            *_times(stage_tensor_terms(g), accum * schedule.microbatches),
+            *_times(stage_replica_terms(config, sizes, param_bytes), accum, "A"),
+            *_times(stage_tensor_terms(g), accum * schedule.microbatches, "A M"),
             *_times(stage_context_terms(g, config.attention.context_parallel),
-                    accum * schedule.microbatches)]
+                    accum * schedule.microbatches, "A M")]
 
 
 def stage_geometry(config: Config, sizes: Mapping[str, int], microbatches: int,
@@ -94,9 +95,9 @@ def stage_geometry(config: Config, sizes: Mapping[str, int], microbatches: int,
     return replace(g, model=model, batch=accum_rows(config) // microbatches)
 
 
-def _times(terms: list[Term], runs: int) -> list[Term]:
+def _times(terms: list[Term], runs: int, symbol: str) -> list[Term]:
     return [replace(t, bytes_per_device=t.bytes_per_device * runs,
-                    formula=f"A M x ({t.formula})") for t in terms]
+                    formula=f"{symbol} x ({t.formula})") for t in terms]
 
 
 def permute_terms(config: Config, sizes: Mapping[str, int], schedule: Schedule,
@@ -172,9 +173,9 @@ def stage_fsdp_terms(config: Config, sizes: Mapping[str, int], schedule: Schedul
     whole = (layers + split + replicated) * frac
     if not _per_layer(config, sizes):
         return [Term("stage params all-gather", ("fsdp",), "all-gather",
-                     round(whole * scale), "(F-1)/F P_stage"),
+                     round(accum * whole * scale), "A (F-1)/F P_stage"),
                 Term("stage grads reduce-scatter", ("fsdp",), "reduce-scatter",
-                     round(whole * param_bytes), "(F-1)/F P_stage")]
+                     round(accum * whole * param_bytes), "A (F-1)/F P_stage")]
     ops = accum * schedule.microbatches * schedule.virtual
     fwd = (layers / schedule.virtual + split) * frac  # the forward uses no final norm
     bwd = (layers / schedule.virtual + split + replicated) * frac
