@@ -10,13 +10,15 @@ count, ``A`` the ``train.grad_accum`` slices (each runs the whole schedule).
 - ``pipeline``: every tick each stage ``ppermute``s one activation on and one cotangent
   back, idle ticks included: ``2 A N a_m`` (interleaved: a ring, the last device sends to
   the first). Interleaved 1F1B also deals the stored layers into chunks at the start of
-  the step and their gradients back at the end (``pipeline_chunks.deal_plan``).
+  each flush and their gradients back at its end (``pipeline_chunks.deal_plan``).
 - ``tensor``: the Megatron terms of ``analysis.theory.tensor_terms`` for one stage's
   layers and one microbatch's rows, ``A M`` times, plus the stage forward once more per
-  microbatch (the backward recomputes it).
+  microbatch (the backward recomputes it); under ZB-H1 W runs the stage's forward and
+  backward once more (B and W each recompute the stage).
 - ``fsdp``: with ``mesh.reshard_after_forward`` each forward op gathers its layers and
   the embedding, each backward op its layers and every weight outside them, and
-  reduce-scatters their gradients: ``A M V`` ops of each kind (``V`` chunks per device);
+  reduce-scatters their gradients: ``A M V`` ops of each kind (``V`` chunks per device;
+  under ZB-H1 W gathers again, and only W's weight gradients are reduce-scattered);
   without it the stage gathers once and reduce-scatters once per flush.
 - gradient reductions, once per flush (``A`` times a step): the stage's layers over the
   batch axes (and ``sequence``, and ``tensor`` for the norms under SP); the weights
@@ -78,11 +80,13 @@ def pipeline_terms(config: Config, sizes: Mapping[str, int], param_bytes: int = 
     accum = max(config.train.grad_accum, 1)
     g = stage_geometry(config, sizes, schedule.microbatches, param_bytes, act_bytes)
     return [*permute_terms(config, sizes, schedule, act_bytes, accum),
-            *deal_terms(config, sizes, schedule, param_bytes),
+            *_times(deal_terms(config, sizes, schedule, param_bytes), accum, "A"),
             *stage_fsdp_terms(config, sizes, schedule, accum, param_bytes, gather_bytes),
             *_times(stage_replica_terms(config, sizes, param_bytes), accum, "A"),
-            *_times(stage_tensor_terms(g), accum * schedule.microbatches, "A M"),
-            *_times(stage_context_terms(g, config.attention.context_parallel),
+            *_times(stage_tensor_terms(g, schedule.split_backward),
+                    accum * schedule.microbatches, "A M"),
+            *_times(stage_context_terms(g, config.attention.context_parallel,
+                                        schedule.split_backward),
                     accum * schedule.microbatches, "A M")]
 
 
@@ -179,10 +183,12 @@ def stage_fsdp_terms(config: Config, sizes: Mapping[str, int], schedule: Schedul
     ops = accum * schedule.microbatches * schedule.virtual
     fwd = (layers / schedule.virtual + split) * frac  # the forward uses no final norm
     bwd = (layers / schedule.virtual + split + replicated) * frac
+    backwards = 2 if schedule.split_backward else 1  # ZB-H1: B and W each gather
     return [Term("forward gathers", ("fsdp",), "all-gather", round(ops * fwd * scale),
                  "A M V x (F-1)/F (P_chunk + embedding)"),
-            Term("backward gathers", ("fsdp",), "all-gather", round(ops * bwd * scale),
-                 "A M V x (F-1)/F (P_chunk + P_outside)"),
+            Term("backward gathers", ("fsdp",), "all-gather",
+                 round(backwards * ops * bwd * scale),
+                 "A M V x (F-1)/F (P_chunk + P_outside), twice under ZB-H1 (B and W)"),
             Term("backward grads reduce-scatter", ("fsdp",), "reduce-scatter",
                  round(ops * bwd * param_bytes), "A M V x (F-1)/F (P_chunk + P_outside)")]
 
@@ -211,23 +217,27 @@ def stage_replica_terms(config: Config, sizes: Mapping[str, int],
     return terms
 
 
-def stage_tensor_terms(g: Geometry) -> list[Term]:
+def stage_tensor_terms(g: Geometry, split: bool = False) -> list[Term]:
     """Megatron TP for one microbatch through one stage: ``tensor_terms`` of the stage's
-    layers, plus the stage forward's collectives again (the backward recomputes it)."""
+    layers, plus the stage forward's collectives again (the backward recomputes it);
+    ``split`` (ZB-H1): W recomputes the forward and runs the backward once more."""
     terms = [t for t in tensor_terms(g) if t.name != "norm-scale grads"]  # in reduce_grads
     again = {"blocks f/g": Fraction(1, 2), "blocks SP gather": Fraction(1, 2),
              "blocks SP scatter": Fraction(1, 2), "embedding lookup": Fraction(1)}
-    return [replace(t, bytes_per_device=round(t.bytes_per_device * (1 + again.get(t.name, 0))),
+    return [replace(t, bytes_per_device=round(t.bytes_per_device * (1 + again.get(t.name, 0)
+                                                                    + split)),
                     formula=f"{t.formula}, + the recomputed forward" if t.name in again
                     else t.formula) for t in terms]
 
 
-def stage_context_terms(g: Geometry, method: str) -> list[Term]:
+def stage_context_terms(g: Geometry, method: str, split: bool = False) -> list[Term]:
     """Context parallelism for one microbatch through one stage: ``context_terms`` plus
     the forward's share again (recomputed): Ulysses' all-to-alls are half forward; the
-    all-gather method gathers K/V in forward and reduce-scatters them in backward."""
+    all-gather method gathers K/V in forward and reduce-scatters them in backward.
+    ``split`` (ZB-H1): W runs forward and backward once more."""
     again = {"q/k/v/out all-to-all": Fraction(1, 2), "K/V all-gather": Fraction(1)}
-    return [replace(t, bytes_per_device=round(t.bytes_per_device * (1 + again.get(t.name, 0))))
+    return [replace(t, bytes_per_device=round(t.bytes_per_device
+                                              * (1 + again.get(t.name, 0) + split)))
             for t in context_terms(g, method)]
 
 
