@@ -27,7 +27,7 @@ from shardlib.analysis.kernels import KernelFacts, compiled_attention, kernel_fa
 from shardlib.analysis.memory import MemoryReport, memory_report
 from shardlib.analysis.peak import PeakTerms, peak_terms
 from shardlib.analysis.tables import rules_line, sharding_table
-from shardlib.analysis.theory import Term, comm_bytes, comm_terms, state_bytes_per_device
+from shardlib.analysis.theory import Term, comm_bytes, state_bytes_per_device
 from shardlib.config import Config, to_dict
 from shardlib.errors import OutOfMemoryError
 from shardlib.mesh import capability_of, describe, platform_of
@@ -35,6 +35,7 @@ from shardlib.models import count_params
 from shardlib.models.attention import resolve as resolve_attention
 from shardlib.parallel import tensor
 from shardlib.target import Target, parse_target
+from shardlib.train.pipeline_theory import executed, step_comm_terms
 from shardlib.train.state import TrainSetup, abstract_state, build_setup, param_table
 from shardlib.train.step import make_train_step
 from shardlib.units import format_bytes
@@ -112,8 +113,8 @@ def analyze(config: Config, devices: list[jax.Device] | None = None, *,
     compiled = compile_step(setup, state, batch, target)
     compile_s = time.perf_counter() - started
     text = compiled.as_text()
-    collectives = parse_collectives(text, setup.mesh)
-    terms = comm_terms(config, setup.sizes, gather_bytes=gather_bytes(setup),
+    collectives = executed(parse_collectives(text, setup.mesh), config, setup.sizes)
+    terms = step_comm_terms(config, setup.sizes, gather_bytes=gather_bytes(setup),
                        act_bytes=activation_bytes(setup))
     memory = memory_report(compiled, state, batch, state_bytes_per_device(config, setup.sizes),
                            platform_of(setup.mesh))

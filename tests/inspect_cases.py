@@ -1,16 +1,20 @@
 """Strategies the communication contracts check, compiled once per test session.
 
 Each is the tiny GPT (batch 8 x 32 tokens) on 8 simulated CPU devices. Pure tensor
-parallelism over 8 devices needs 8 heads; head count changes no byte count.
+parallelism over 8 devices needs 8 heads; head count changes no byte count. The pipeline
+cases run 1F1B (2 and 4 microbatches; twice under ``grad_accum=2``), ZB-H1 and
+interleaved 1F1B (2 chunks of one layer).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 
-from shardlib.config import Config, MeshConfig
+from shardlib.config import Config, MeshConfig, PipelineConfig
 from shardlib.inspect import Inspection, analyze
 from tests.helpers import tiny_config
 
@@ -20,12 +24,25 @@ CASES: dict[str, tuple[MeshConfig, dict]] = {
     "tp": (MeshConfig(data=1, tensor=8), {"num_heads": 8}),
     "sp": (MeshConfig(data=1, tensor=8, sequence_parallel=True), {"num_heads": 8}),
     "fsdp_tp": (MeshConfig(data=1, fsdp=4, tensor=2), {}),
+    "dp_pp_fsdp": (MeshConfig(data=2, pipeline=2, fsdp=2), {}),
+    "pp_tp_dp": (MeshConfig(data=2, pipeline=2, tensor=2), {}),
+    "pp_interleaved": (MeshConfig(data=2, pipeline=2, fsdp=2), {"num_layers": 4}),
+    "pp_tp_accum": (MeshConfig(data=2, pipeline=2, tensor=2), {}),
+    "pp_tp_zb": (MeshConfig(data=2, pipeline=2, tensor=2), {}),
+}
+EXTRA: dict[str, Callable[[Config], Config]] = {  # the pipeline cases' other settings
+    "pp_interleaved": lambda c: dataclasses.replace(
+        c, pipeline=PipelineConfig(schedule="interleaved", virtual_stages=2)),
+    "pp_tp_accum": lambda c: dataclasses.replace(
+        c, train=dataclasses.replace(c.train, grad_accum=2)),
+    "pp_tp_zb": lambda c: dataclasses.replace(c, pipeline=PipelineConfig(schedule="zb-h1")),
 }
 
 
 def case_config(name: str) -> Config:
     mesh, model_changes = CASES[name]
-    return tiny_config(mesh, **model_changes)
+    config = tiny_config(mesh, **model_changes)
+    return EXTRA.get(name, lambda c: c)(config)
 
 
 @functools.cache

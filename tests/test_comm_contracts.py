@@ -21,6 +21,7 @@ from shardlib.analysis.theory import (
 from shardlib.config import Config, MeshConfig, TrainConfig
 from shardlib.inspect import Inspection, per_axis
 from shardlib.models import count_params, get_preset
+from shardlib.train.pipeline_theory import schedule_of
 from tests.inspect_cases import CASES, inspection
 
 MAX_RATIO, MIN_RATIO = 1.05, 0.95
@@ -177,3 +178,17 @@ def test_state_memory_matches_the_zero_formula(name):
     assert_close(m.state_bytes_per_device, m.theory_state_bytes_per_device, f"{name} state")
     # XLA's arguments are that state plus the batch (and a few scalars): no hidden copies.
     assert m.argument_bytes == pytest.approx(m.state_bytes_per_device + m.batch_bytes, rel=0.01)
+
+
+def test_pipeline_permutes_one_activation_each_way_every_tick():
+    """The stages pass one microbatch activation on and one cotangent back per tick, idle
+    ticks included; the tensor collectives inside a tick's forward or backward run on the
+    ``M`` ticks of that op only (the HLO alone counts them every tick)."""
+    ins = inspection("pp_tp_dp")
+    schedule = schedule_of(ins.setup.config, ins.setup.sizes)
+    permutes = on(ins, ("pipeline",), "collective-permute")
+    assert sum(c.count for c in permutes) == 2 * schedule.ticks
+    rows = 8 // (2 * schedule.microbatches)  # batch 8 over data=2, in M microbatches
+    assert {s.dims for c in permutes for s in c.operand_shapes} == {(rows, 32, 64)}
+    gated = [c for c in on(ins, ("tensor",), "all-reduce") if c.bytes_per_device > SCALARS]
+    assert gated and all(c.count == schedule.microbatches for c in gated)

@@ -1,0 +1,264 @@
+"""Expected collective bytes of one pipelined train step (``pipeline`` > 1), per mesh axis,
+counted from what the executor (``train.pipeline``) sends, as ``analysis.theory`` does
+for the other steps.
+
+Per device, the busiest device of each term (the convention of ``analysis.hlo``):
+``a_m = b/M s d x bytes`` is one microbatch's activation on a device (``b`` the rows per
+data x fsdp shard, ``M`` microbatches, ``s`` the sequence slice), ``N`` the schedule's tick
+count, ``A`` the ``train.grad_accum`` slices (each runs the whole schedule).
+
+- ``pipeline``: every tick each stage ``ppermute``s one activation on and one cotangent
+  back, idle ticks included: ``2 A N a_m`` (interleaved: a ring, the last device sends to
+  the first). Interleaved 1F1B also deals the stored layers into chunks at the start of
+  each flush and their gradients back at its end (``pipeline_chunks.deal_plan``).
+- ``tensor``: the Megatron terms of ``analysis.theory.tensor_terms`` for one stage's
+  layers and one microbatch's rows, ``A M`` times, plus the stage forward once more per
+  microbatch (the backward recomputes it); under ZB-H1 W runs the stage's forward and
+  backward once more (B and W each recompute the stage).
+- ``fsdp``: with ``mesh.reshard_after_forward`` each forward op gathers its layers and
+  the embedding, each backward op its layers and every weight outside them, and
+  reduce-scatters their gradients: ``A M V`` ops of each kind (``V`` chunks per device;
+  under ZB-H1 W gathers again, and only W's weight gradients are reduce-scattered);
+  without it the stage gathers once and reduce-scatters once per flush.
+- gradient reductions, once per flush (``A`` times a step): the stage's layers over the
+  batch axes (and ``sequence``, and ``tensor`` for the norms under SP); the weights
+  outside the layers over those and the stages (only the first stage embeds, only the
+  last computes the head).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import replace
+from fractions import Fraction
+
+from shardlib.analysis.hlo import Collective
+from shardlib.analysis.theory import (
+    ACT_BYTES,
+    PARAM_BYTES,
+    Geometry,
+    Term,
+    comm_terms,
+    context_terms,
+    geometry,
+    param_counts,
+    tensor_terms,
+)
+from shardlib.config import Config
+from shardlib.train.pipeline import (
+    AXIS,
+    accum_rows,
+    act_shape,
+    applies,
+    batch_shards,
+    partial_axes,
+    resolve_microbatches,
+)
+from shardlib.train.pipeline_chunks import deal_plan
+from shardlib.train.pipeline_schedule import Schedule, build
+
+
+def step_comm_terms(config: Config, sizes: Mapping[str, int], param_bytes: int = PARAM_BYTES,
+                    gather_bytes: int | None = None, act_bytes: int = ACT_BYTES) -> list[Term]:
+    """``analysis.theory.comm_terms``, or for a pipelined mesh the terms of this module."""
+    if not applies(sizes):
+        return comm_terms(config, sizes, param_bytes, gather_bytes, act_bytes)
+    return pipeline_terms(config, sizes, param_bytes, gather_bytes, act_bytes)
+
+
+def schedule_of(config: Config, sizes: Mapping[str, int]) -> Schedule:
+    """The tick table the pipelined step runs."""
+    return build(config.pipeline.schedule, sizes[AXIS], resolve_microbatches(config, sizes),
+                 config.pipeline.virtual_stages)
+
+
+def pipeline_terms(config: Config, sizes: Mapping[str, int], param_bytes: int = PARAM_BYTES,
+                   gather_bytes: int | None = None, act_bytes: int = ACT_BYTES) -> list[Term]:
+    """Every expected collective pattern of one pipelined train step (module doc)."""
+    schedule = schedule_of(config, sizes)
+    accum = max(config.train.grad_accum, 1)
+    g = stage_geometry(config, sizes, schedule.microbatches, param_bytes, act_bytes)
+    return [*permute_terms(config, sizes, schedule, act_bytes, accum),
+            *_times(deal_terms(config, sizes, schedule, param_bytes), accum, "A"),
+            *stage_fsdp_terms(config, sizes, schedule, accum, param_bytes, gather_bytes),
+            *_times(stage_replica_terms(config, sizes, param_bytes), accum, "A"),
+            *_times(stage_tensor_terms(g, schedule.split_backward),
+                    accum * schedule.microbatches, "A M"),
+            *_times(stage_context_terms(g, config.attention.context_parallel,
+                                        schedule.split_backward),
+                    accum * schedule.microbatches, "A M")]
+
+
+def stage_geometry(config: Config, sizes: Mapping[str, int], microbatches: int,
+                   param_bytes: int, act_bytes: int) -> Geometry:
+    """The theory's inputs for one microbatch through one stage: ``L / P`` layers,
+    ``B / (A M)`` rows."""
+    g = geometry(config, sizes, param_bytes, act_bytes)
+    model = replace(config.model, num_layers=config.model.num_layers // sizes[AXIS])
+    return replace(g, model=model, batch=accum_rows(config) // microbatches)
+
+
+def _times(terms: list[Term], runs: int, symbol: str) -> list[Term]:
+    return [replace(t, bytes_per_device=t.bytes_per_device * runs,
+                    formula=f"{symbol} x ({t.formula})") for t in terms]
+
+
+def permute_terms(config: Config, sizes: Mapping[str, int], schedule: Schedule,
+                  act_bytes: int, accum: int) -> list[Term]:
+    """One activation on and one cotangent back per tick, idle ticks included."""
+    rows = accum_rows(config) // (batch_shards(sizes) * schedule.microbatches)
+    a_m = math.prod(act_shape(config, sizes, rows)) * act_bytes
+    runs = accum * schedule.ticks
+    return [Term("stage activations permute", (AXIS,), "collective-permute", runs * a_m,
+                 "A N x b/M s d bytes (every tick)"),
+            Term("stage cotangents permute", (AXIS,), "collective-permute", runs * a_m,
+                 "A N x b/M s d bytes (every tick)")]
+
+
+def _layer_parts(config: Config, sizes: Mapping[str, int]) -> tuple[Fraction, Fraction]:
+    """(tensor-split, replicated) parameter elements of one layer on a device, the tensor
+    (and expert) split applied: matrices; norm scales and routers."""
+    counts, m = param_counts(config.model), config.model
+    embed = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
+    pos = m.max_seq_len * m.d_model if m.pos_embedding == "learned" else 0
+    t, x = sizes.get("tensor", 1), sizes.get("expert", 1)
+    split = Fraction(counts.tensor_split - embed, t) + Fraction(counts.expert_split, t * x)
+    replicated = Fraction(counts.tensor_replicated - m.d_model - pos)
+    return split / m.num_layers, replicated / m.num_layers
+
+
+def _layer_elements(config: Config, sizes: Mapping[str, int]) -> Fraction:
+    """One layer's parameter elements on a device, tensor (and expert) split applied."""
+    return sum(_layer_parts(config, sizes), Fraction(0))
+
+
+def _outside_elements(config: Config, sizes: Mapping[str, int]) -> tuple[Fraction, int]:
+    """(tensor-split, replicated) elements outside the layers on a device: embedding and
+    untied head; final norm and learned positions."""
+    m = config.model
+    embed = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
+    pos = m.max_seq_len * m.d_model if m.pos_embedding == "learned" else 0
+    return Fraction(embed, sizes.get("tensor", 1)), m.d_model + pos
+
+
+def deal_terms(config: Config, sizes: Mapping[str, int], schedule: Schedule,
+               param_bytes: int) -> list[Term]:
+    """Interleaved 1F1B: the stored layers dealt into chunks, and their gradients back,
+    each shift a ring ``ppermute`` of its widest row of chunks (``deal_plan``)."""
+    p, v = schedule.stages, schedule.virtual
+    if v == 1:
+        return []
+    per_layer = _per_layer(config, sizes)
+    chunk = (_layer_elements(config, sizes) * config.model.num_layers / (p * v)
+             / (sizes.get("fsdp", 1) if per_layer else 1) * param_bytes)
+    terms = []
+    for name, inverse in (("layers dealt into chunks", False), ("chunk grads dealt back", True)):
+        width = sum(send.shape[1] for shift, send, _ in deal_plan(p, v, inverse=inverse)
+                    if shift)
+        terms.append(Term(name, (AXIS,), "collective-permute", round(width * chunk),
+                          "sum over shifts of chunks x L/(P V) layers' params"))
+    return terms
+
+
+def _per_layer(config: Config, sizes: Mapping[str, int]) -> bool:
+    return sizes.get("fsdp", 1) > 1 and config.mesh.reshard_after_forward
+
+
+def stage_fsdp_terms(config: Config, sizes: Mapping[str, int], schedule: Schedule,
+                     accum: int, param_bytes: int, gather_bytes: int | None) -> list[Term]:
+    """ZeRO-3 over ``fsdp`` inside the stages (module doc)."""
+    f = sizes.get("fsdp", 1)
+    if f == 1:
+        return []
+    frac, scale = Fraction(f - 1, f), gather_bytes or param_bytes
+    layers = _layer_elements(config, sizes) * config.model.num_layers / sizes[AXIS]
+    split, replicated = _outside_elements(config, sizes)
+    whole = (layers + split + replicated) * frac
+    if not _per_layer(config, sizes):
+        return [Term("stage params all-gather", ("fsdp",), "all-gather",
+                     round(accum * whole * scale), "A (F-1)/F P_stage"),
+                Term("stage grads reduce-scatter", ("fsdp",), "reduce-scatter",
+                     round(accum * whole * param_bytes), "A (F-1)/F P_stage")]
+    ops = accum * schedule.microbatches * schedule.virtual
+    fwd = (layers / schedule.virtual + split) * frac  # the forward uses no final norm
+    bwd = (layers / schedule.virtual + split + replicated) * frac
+    backwards = 2 if schedule.split_backward else 1  # ZB-H1: B and W each gather
+    return [Term("forward gathers", ("fsdp",), "all-gather", round(ops * fwd * scale),
+                 "A M V x (F-1)/F (P_chunk + embedding)"),
+            Term("backward gathers", ("fsdp",), "all-gather",
+                 round(backwards * ops * bwd * scale),
+                 "A M V x (F-1)/F (P_chunk + P_outside), twice under ZB-H1 (B and W)"),
+            Term("backward grads reduce-scatter", ("fsdp",), "reduce-scatter",
+                 round(ops * bwd * param_bytes), "A M V x (F-1)/F (P_chunk + P_outside)")]
+
+
+def stage_replica_terms(config: Config, sizes: Mapping[str, int],
+                        param_bytes: int) -> list[Term]:
+    """Gradient all-reduces after the schedule (``pipeline.reduce_grads``): each group of
+    parameters over the axes of ``partial_axes`` it is not split over (the layers are split
+    over the stages, the matrices over tensor; fsdp reduce-scatters), ``2 (n-1)/n``."""
+    partial = set(partial_axes(config, sizes)) - {"fsdp"}
+    per_stage = Fraction(config.model.num_layers, sizes[AXIS])
+    layer_split, layer_rep = (e * per_stage for e in _layer_parts(config, sizes))
+    out_split, out_rep = _outside_elements(config, sizes)
+    groups: dict[tuple[str, ...], Fraction] = {}
+    for elems, split_over in ((layer_split, {AXIS, "tensor"}), (layer_rep, {AXIS}),
+                              (out_split, {"tensor"}), (Fraction(out_rep), set())):
+        axes = tuple(a for a in sizes if a in partial - split_over)
+        if axes and elems:
+            groups[axes] = groups.get(axes, Fraction(0)) + elems
+    terms = []
+    for axes, elems in groups.items():
+        n = math.prod(sizes[a] for a in axes)
+        nbytes = 2 * Fraction(n - 1, n) * elems / sizes.get("fsdp", 1) * param_bytes
+        terms.append(Term("grads all-reduce", axes, "all-reduce", round(nbytes),
+                          f"2 (n-1)/n P_group, n = {' '.join(axes)}"))
+    return terms
+
+
+def stage_tensor_terms(g: Geometry, split: bool = False) -> list[Term]:
+    """Megatron TP for one microbatch through one stage: ``tensor_terms`` of the stage's
+    layers, plus the stage forward's collectives again (the backward recomputes it);
+    ``split`` (ZB-H1): W recomputes the forward and runs the backward once more."""
+    terms = [t for t in tensor_terms(g) if t.name != "norm-scale grads"]  # in reduce_grads
+    again = {"blocks f/g": Fraction(1, 2), "blocks SP gather": Fraction(1, 2),
+             "blocks SP scatter": Fraction(1, 2), "embedding lookup": Fraction(1)}
+    return [replace(t, bytes_per_device=round(t.bytes_per_device * (1 + again.get(t.name, 0)
+                                                                    + split)),
+                    formula=f"{t.formula}, + the recomputed forward" if t.name in again
+                    else t.formula) for t in terms]
+
+
+def stage_context_terms(g: Geometry, method: str, split: bool = False) -> list[Term]:
+    """Context parallelism for one microbatch through one stage: ``context_terms`` plus
+    the forward's share again (recomputed): Ulysses' all-to-alls are half forward; the
+    all-gather method gathers K/V in forward and reduce-scatters them in backward.
+    ``split`` (ZB-H1): W runs forward and backward once more."""
+    again = {"q/k/v/out all-to-all": Fraction(1, 2), "K/V all-gather": Fraction(1)}
+    return [replace(t, bytes_per_device=round(t.bytes_per_device
+                                              * (1 + again.get(t.name, 0) + split)))
+            for t in context_terms(g, method)]
+
+
+GATED = ("in a conditional branch", "unknown trip count")  # ``analysis.hlo_text`` notes
+
+
+def executed(collectives: list[Collective], config: Config, sizes: Mapping[str, int]
+             ) -> list[Collective]:
+    """The HLO's collectives with the runs the schedule gives them: a tick's forward
+    (a ``cond``) and backward (``run_if``, a loop of 0 or 1 trips) run on ``M V`` of the
+    ``N`` ticks on a device, but the HLO counts a branch as if it ran and such a loop once,
+    i.e. every tick. Collectives under those gates run ``M V / N`` as often as counted."""
+    if not applies(sizes):
+        return collectives
+    schedule = schedule_of(config, sizes)
+    ops, ticks = schedule.microbatches * schedule.virtual, schedule.ticks
+    out = []
+    for c in collectives:
+        gated = any(g in note for g in GATED for note in c.notes)
+        if gated and c.count % ticks == 0:
+            c = replace(c, count=c.count // ticks * ops,
+                        notes=(*c.notes, f"gated by a tick: runs on {ops} of {ticks} ticks"))
+        out.append(c)
+    return out
