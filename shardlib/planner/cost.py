@@ -11,6 +11,7 @@ Step time, with the overlap assumptions stated:
 
     compute  = FLOPs per device / (peak FLOP/s x efficiency)
                + memory traffic / memory bandwidth
+               (pipelined: divided by 1 - bubble, ``planner.pipeline``)
     comm(g)  = bytes(g) / bandwidth(link of g) + hops(g) x latency(link of g)
     weights  = sum of comm(g) over groups g spanning only batch axes (data, fsdp):
                parameter gathers and gradient reductions, which XLA's latency-hiding
@@ -88,6 +89,7 @@ class Figures:
     state_bytes: int = 0  # params + optimizer state per device
     compile_s: float = 0.0
     traffic_bytes: int = 0  # memory traffic per device per step (``memory_traffic``)
+    bubble: float = 0.0  # pipelined: the schedule's idle fraction, (P-1)/(M+P-1) for 1F1B
 
     @property
     def comm_bytes(self) -> int:
@@ -135,6 +137,8 @@ def predict(figures: Figures, cand: Candidate, profile: DeviceProfile,
                if profile.memory_bandwidth else 0.0)
     compute = figures.flops / (profile.flops(compute_dtype) * profile.compute_efficiency)
     compute += traffic
+    if figures.bubble:  # pipelined: every stage idles this fraction of the step
+        compute /= 1 - figures.bubble
     per_group: dict[str, float] = {}
     weights = exposed = 0.0
     for key, comm in figures.comm.items():
@@ -257,10 +261,13 @@ def compiled_comm(collectives: Iterable[Collective], *, native_reduce_scatter: b
         if c.axes == ("fsdp",) and kind in ("all-gather", "reduce-scatter") and \
                 c.dtype == "f32":
             nbytes = round(nbytes * fsdp_scale)
+        hops = RING_HOPS.get(kind, 1) * max(c.group_size - 1, 0)
+        if kind == "collective-permute" and "pipeline" in c.axes:
+            hops = 1  # a stage sends to its neighbour, as ``planner.pipeline`` counts it
         entry = out[axis_key(c.axes)]
         entry[0] += nbytes
         entry[1] += c.count
-        entry[2] += c.count * RING_HOPS.get(kind, 1) * max(c.group_size - 1, 0)
+        entry[2] += c.count * hops
     return {key: AxisComm(*values) for key, values in out.items() if values[0] or values[1]}
 
 

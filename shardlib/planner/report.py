@@ -13,6 +13,7 @@ from rich.table import Table
 from shardlib.config import Config, TrainConfig, parse_mesh
 from shardlib.inspect import target_dict
 from shardlib.models.presets import PRESETS
+from shardlib.planner.profiles import link_for
 from shardlib.planner.search import Plan, Scored
 from shardlib.planner.space import Rejected
 from shardlib.units import format_bytes
@@ -71,8 +72,16 @@ def scored_dict(s: Scored) -> dict[str, Any]:
         "weights_comm_s": s.estimate.weights_comm_s,
         "exposed_comm_s": s.estimate.exposed_comm_s, "flops_per_device": s.figures.flops,
         "source": s.figures.source, "switch_bytes": s.switch_bytes, "note": s.note,
-        "train_flags": c.train_flags(),
+        "train_flags": c.train_flags(), "pipeline": _pipeline_dict(s),
     }
+
+
+def _pipeline_dict(s: Scored) -> dict[str, Any] | None:
+    """A pipelined candidate's stages, microbatches per flush and bubble (else None)."""
+    if not s.candidate.pipelined:
+        return None
+    return {"stages": s.candidate.sizes["pipeline"],
+            "microbatches": s.candidate.stage_microbatches, "bubble": s.figures.bubble}
 
 
 def rejected_dict(r: Rejected) -> dict[str, Any]:
@@ -92,6 +101,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "memory_budget_bytes": plan.budget_bytes,
         "pick": scored_dict(best) if best else None,
         "train_command": train_command(plan, best) if best else None,
+        "pipeline_note": pipeline_note(plan),
         "candidates": [scored_dict(s) for s in plan.ranked],
         "over_budget": [scored_dict(s) for s in plan.over_budget],
         "rejected": [rejected_dict(r) for r in plan.rejected],
@@ -169,4 +179,54 @@ def render(plan: Plan, top: int = 10, console: Console | None = None) -> None:
         return
     console.print(f"pick: {plan.best.candidate.key}, predicted "
                   f"{_seconds(plan.best.estimate.step_s)} per step")
+    note = pipeline_note(plan)
+    if note:
+        console.print(note)
     console.print(train_command(plan, plan.best))
+
+
+def pipeline_note(plan: Plan) -> str | None:
+    """Why the pick uses ``pipeline`` (or where the best pipelined candidate ranks); None
+    when the plan has no pipelined candidate."""
+    best = plan.best
+    staged = [s for s in plan.ranked if s.candidate.pipelined]
+    plain = [s for s in plan.ranked if not s.candidate.pipelined]
+    if best is None or not staged:
+        return None
+    if not best.candidate.pipelined:
+        top = staged[0]
+        return (f"pipeline: best pipelined candidate {top.candidate.key} ranks "
+                f"#{plan.ranked.index(top) + 1}, predicted {_seconds(top.estimate.step_s)} "
+                f"(bubble {top.figures.bubble:.0%} of its compute); "
+                + _versus(plan, best, top))
+    mesh = " x ".join(f"{a}={n}" for a, n in best.candidate.degrees if n > 1)
+    if not plain:
+        smallest = min((s for s in plan.over_budget if not s.candidate.pipelined),
+                       key=lambda s: s.figures.memory_bytes, default=None)
+        if smallest is None and all(r.candidate.pipelined for r in plan.rejected):
+            return f"pick uses {mesh}: --mesh pins pipeline (no pipeline-free mesh searched)"
+        why = "it fits where no pipeline-free mesh does" + (
+            f" (the smallest, {smallest.candidate.key}, needs "
+            f"{format_bytes(smallest.figures.memory_bytes)})" if smallest else "")
+        return f"pick uses {mesh}: {why}"
+    return f"pick uses {mesh}: " + _versus(plan, plain[0], best)
+
+
+def _versus(plan: Plan, plain: Scored, staged: Scored) -> str:
+    """The pipelined candidate against a pipeline-free one: step time, bubble, and the
+    bytes each sends over links between nodes (where the plan spans nodes)."""
+    text = (f"{_seconds(staged.estimate.step_s)} against {_seconds(plain.estimate.step_s)} "
+            f"for {plain.candidate.key}; the bubble costs "
+            f"{_seconds(staged.estimate.compute_s * staged.figures.bubble)}")
+    if plan.profile.node_size >= plan.num_devices:
+        return text
+    return (text + f"; bytes between nodes {format_bytes(inter_node_bytes(plan, staged))} "
+            f"against {format_bytes(inter_node_bytes(plan, plain))}")
+
+
+def inter_node_bytes(plan: Plan, s: Scored) -> int:
+    """Bytes per device per step of ``s``'s collectives whose group spans nodes."""
+    sizes = s.candidate.resolved(plan.config).sizes
+    return sum(c.bytes for key, c in s.figures.comm.items()
+               if link_for(plan.profile, sizes, [a for a in key.split("+") if a != "-"])
+               is plan.profile.inter)

@@ -31,6 +31,7 @@ from shardlib.config import Config, to_dict
 from shardlib.errors import ConfigError, OutOfMemoryError
 from shardlib.inspect import abstract_batch, compile_step
 from shardlib.mesh import MESH_AXES
+from shardlib.planner import pipeline
 from shardlib.planner.cost import (
     Estimate,
     Figures,
@@ -43,10 +44,11 @@ from shardlib.planner.cost import (
     predict,
 )
 from shardlib.planner.profiles import DeviceProfile, cache_dir, target_profile
-from shardlib.planner.space import MICROBATCHES, REMATS, Candidate, Rejected, enumerate_space
+from shardlib.planner.space import MICROBATCHES, REMATS, Candidate, Rejected
 from shardlib.planner.switch import switch_bytes
 from shardlib.precision import resolve as resolve_policy
 from shardlib.target import Target, parse_target
+from shardlib.train.pipeline_theory import executed
 from shardlib.train.state import abstract_state, build_setup
 
 MEMORY_MARGIN = 0.3
@@ -128,6 +130,11 @@ def analytic(config: Config, cand: Candidate, profile: DeviceProfile, budget: in
     """Figures, time and memory verdict from formulas alone, on the degrees the step runs
     on (``Candidate.resolved``: ``--zero 3`` over ``data`` is FSDP)."""
     dt, run = _dtypes(config, profile), cand.resolved(config)
+    if run.pipelined:
+        figures = pipeline.figures(config, run, dt.compute_bytes, dt.gather_bytes,
+                                   profile.platform)
+        return Scored(cand, figures, predict(figures, run, profile, dt.compute),
+                      verdict(figures.memory_bytes, budget, exact=False))
     comm = analytic_comm(config, run, profile, dt.gather_bytes, dt.grad_bytes)
     figures = Figures(flops_per_device(config, run), comm,
                       analytic_memory(config, run, dt.compute_bytes, dt.gather_bytes,
@@ -139,7 +146,8 @@ def analytic(config: Config, cand: Candidate, profile: DeviceProfile, budget: in
 
 
 # --------------------------------------------------------------------------- compile
-CACHE_VERSION = 2  # 2: a TPU step's memory is its compiler's own peak (``peak_of``)
+CACHE_VERSION = 3  # 2: a TPU step's memory is its compiler's own peak (``peak_of``); 3: a
+# pipelined step's collectives counted as they run (``pipeline_theory.executed``)
 
 
 def _cache_key(config: Config, cand: Candidate, devices: list[jax.Device]) -> str:
@@ -196,7 +204,8 @@ def compile_candidate(config: Config, cand: Candidate, devices: list[jax.Device]
     peak = peak_of(compiled_memory(compiled), devices[0].platform)
     seen = tuple(SeenCollective(c.kind, c.axes, c.dtype, c.total_bytes_per_device, c.count,
                                 c.group_size, c.emulated_reduce_scatter)
-                 for c in parse_collectives(compiled.as_text(), setup.mesh))
+                 for c in executed(parse_collectives(compiled.as_text(), setup.mesh),
+                                   setup.config, setup.sizes))  # a tick's gated runs
     step = CompiledStep(devices[0].platform, peak, state_bytes(state).total, seconds, seen)
     return step, compiled
 
@@ -211,7 +220,12 @@ def compiled_figures(step: CompiledStep, config: Config, cand: Candidate,
     comm = compiled_comm(step.collectives, native_reduce_scatter=cross,
                          fsdp_scale=compute_bytes / 4 if cross else 1.0)
     memory = step.memory_bytes - (cross_compile_memory(config, cand, compute_bytes)
-                                  if cross else 0)
+                                  if cross and not cand.pipelined else 0)
+    if cand.pipelined:  # FLOPs, traffic and bubble of the stages (``planner.pipeline``)
+        est = pipeline.figures(config, cand, compute_bytes,
+                               _dtypes(config, profile).gather_bytes, profile.platform)
+        return dataclasses.replace(est, comm=comm, memory_bytes=memory, source="compiled",
+                                   state_bytes=step.state_bytes, compile_s=step.compile_s)
     return Figures(flops_per_device(config, cand), comm, memory, "compiled",
                    step.state_bytes, step.compile_s, memory_traffic(
                        config, cand, compute_bytes, _dtypes(config, profile).gather_bytes))
@@ -265,7 +279,7 @@ def plan(config: Config, num_devices: int | None = None,
          devices: list[jax.Device] | None = None, compile_top: int = 4,
          compile_budget_s: float = 40.0, persist_cache: bool = True,
          from_mesh: Mapping[str, int] | None = None, cache: CompileCache | None = None,
-         progress: Callable[[str], None] | None = None) -> Plan:
+         progress: Callable[[str], None] | None = None, with_pipeline: bool = True) -> Plan:
     """Rank every valid candidate for ``config`` on ``num_devices`` devices of ``profile``.
 
     ``target`` (``v5p-128``, ``h100x8``, ...): plan for that slice or node instead: its
@@ -273,17 +287,17 @@ def plan(config: Config, num_devices: int | None = None,
     compiled by its compiler (``shardlib.target``). ``devices``: what to compile on
     (default: this process's devices, if there are ``num_devices`` of them); without them
     every figure stays analytic. ``from_mesh``: degrees the train state lives on now;
-    each candidate is priced for the switch.
+    each candidate is priced for the switch. ``with_pipeline``: search pipeline x tensor
+    candidates too (``planner.pipeline``).
     """
     started = time.perf_counter()
     target = parse_target(target) if isinstance(target, str) else target
     num_devices, profile, devices = _for_target(target, num_devices, profile, devices)
     budget = int(budget_bytes or (target.hbm_bytes if target else profile.memory_bytes))
-    valid, rejected = enumerate_space(config, num_devices, remats=remats,
-                                      microbatches=microbatches, pinned=pinned)
+    valid, rejected, notes = pipeline.search_space(config, num_devices, remats, microbatches,
+                                                   pinned, with_pipeline)
     scored = sorted((analytic(config, c, profile, budget) for c in valid),
                     key=lambda s: s.estimate.step_s)
-    notes: list[str] = []
     compiles = 0
     compile_devices = _compile_devices(devices, num_devices)
     if compile_devices is None:

@@ -36,11 +36,13 @@ MICROBATCHES: tuple[int, ...] = (1, 2, 4, 8)
 @dataclass(frozen=True)
 class Candidate:
     """One point of the space: mesh degrees (every axis, ``MESH_AXES`` order), remat
-    policy and microbatches per step (``train.grad_accum``)."""
+    policy and microbatches per step (``train.grad_accum``); with ``pipeline`` > 1 the
+    microbatches each flush streams through the stages (``pipeline.microbatches``)."""
 
     degrees: tuple[tuple[str, int], ...]
     remat: str = "none"
     microbatches: int = 1
+    stage_microbatches: int = 0  # pipeline.microbatches; 0 without pipeline
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -54,8 +56,14 @@ class Candidate:
 
     @property
     def key(self) -> str:
-        """A stable name: ``data=2,fsdp=4/remat=full/mb=2``."""
-        return f"{self.mesh_text}/remat={self.remat}/mb={self.microbatches}"
+        """A stable name: ``data=2,fsdp=4/remat=full/mb=2`` (pipelined: ``/pp_mb=16``)."""
+        key = f"{self.mesh_text}/remat={self.remat}/mb={self.microbatches}"
+        return key + (f"/pp_mb={self.stage_microbatches}" if self.stage_microbatches else "")
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the step runs a pipeline schedule (``pipeline`` > 1)."""
+        return self.sizes.get("pipeline", 1) > 1
 
     def train_flags(self) -> str:
         """The ``shardlib train`` flags that run this candidate."""
@@ -72,9 +80,13 @@ class Candidate:
     def apply(self, config: Config) -> Config:
         """``config`` with this candidate's mesh degrees, remat and microbatches."""
         mesh = dataclasses.replace(config.mesh, auto=False, **self.sizes)
-        return dataclasses.replace(
+        out = dataclasses.replace(
             config, mesh=mesh, model=dataclasses.replace(config.model, remat=self.remat),
             train=dataclasses.replace(config.train, grad_accum=self.microbatches))
+        if not self.stage_microbatches:
+            return out
+        return dataclasses.replace(out, pipeline=dataclasses.replace(
+            config.pipeline, microbatches=self.stage_microbatches))
 
 
 @dataclass(frozen=True)
