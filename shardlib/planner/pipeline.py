@@ -86,11 +86,13 @@ def pipeline_space(config: Config, num_devices: int, *, remats: Iterable[str],
     if excluded(config) or pinned.get(AXIS, 2) == 1:
         return [], []
     fixed = math.prod(pinned.values())
+    if num_devices % fixed:
+        raise ConfigError(f"--mesh {pinned}: pinned degrees ({fixed} devices) do not divide "
+                          f"--devices {num_devices}")
     searched = tuple(a for a in SEARCHED if a not in pinned)
     valid: list[Candidate] = []
     rejected: list[Rejected] = []
-    for free in factorizations(num_devices // fixed, searched) if num_devices % fixed == 0 \
-            else []:
+    for free in factorizations(num_devices // fixed, searched):
         sizes = {a: free.get(a, pinned.get(a, 1)) for a in MESH_AXES}
         if sizes[AXIS] == 1 or (sizes["tensor"] == 1 and AXIS not in pinned):
             continue
@@ -207,7 +209,8 @@ def _runs(config: Config, cand: Candidate, term: Term) -> int:
         return accum * (per_layer + outside)
     if term.name.startswith(("blocks", "K/V")):
         per = 2 if term.name.startswith("K/V") else 4
-        return round(accum * m * per * layers * 1.5)  # forward, backward, forward again
+        # the forward's half of them again: the backward recomputes the stage forward
+        return round(accum * m * per * layers * 1.5)
     return accum * m
 
 
