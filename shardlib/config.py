@@ -61,6 +61,9 @@ class ModelConfig:
     init_std: float = 0.02  # GPT-2 init; residual projections get 0.02/sqrt(2L)
     rope_theta: float = 10000.0
     remat: str = "none"  # none | full | dots (keep only matmul outputs) per layer
+    # the LM head and loss in this many slices of each sequence: one slice's logits alive at a
+    # time, recomputed in the backward (MaxText's num_vocab_tiling); divides the local seq_len
+    loss_chunks: int = 1
     # Mixture of experts (shardlib.models.moe): 0 experts = dense MLP in every layer.
     num_experts: int = 0  # experts per MoE layer (at most 256), each an MLP as model.mlp
     moe_top_k: int = 2  # experts per token, 1..8: 1 (Switch), 2 (GShard), 8 (DeepSeek-V3)

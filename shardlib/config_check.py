@@ -14,7 +14,7 @@ from shardlib.errors import ConfigError
 RANGES: dict[str, dict[str, str]] = {
     "mesh": {"zero": "[0,3]"},
     "model": {**dict.fromkeys(("vocab_size", "d_model", "num_layers", "num_heads", "d_ff",
-                               "max_seq_len", "moe_top_k", "moe_every",
+                               "max_seq_len", "moe_top_k", "moe_every", "loss_chunks",
                                "rope_original_max_len"), ">=1"),
               **dict.fromkeys(("num_experts", "num_kv_heads", "attn_head_dim", "moe_aux_weight",
                                "moe_z_weight", "moe_d_ff", "moe_shared_d_ff", "moe_bias_rate",

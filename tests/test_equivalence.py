@@ -81,6 +81,19 @@ def test_chunked_attention_gradients_match_single_device(name, reference_grads):
     assert errors[worst] <= TOL, f"{worst}: relative error {errors[worst]:.2e}"
 
 
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_loss_chunks_gradients_match_single_device(name, reference_grads):
+    """``model.loss_chunks=4`` (the LM head and loss over strided slices of the sequence,
+    recomputed in the backward; vocab-parallel under TP, gathered slices under SP) on every
+    mesh against one device with the whole-sequence head."""
+    ref_loss, ref_grads = reference_grads
+    loss, grads = loss_and_grads(tiny_config(STRATEGIES[name], loss_chunks=4))
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
+    errors = {path: relative_error(grads[path], ref_grads[path]) for path in ref_grads}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= TOL, f"{worst}: relative error {errors[worst]:.2e}"
+
+
 def test_unscanned_layers_train_like_one_device():
     mesh_losses, mesh_params, _ = run_steps(tiny_config(MeshConfig(data=2, fsdp=2, tensor=2),
                                                         scan_layers=False))

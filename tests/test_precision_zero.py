@@ -167,3 +167,26 @@ def test_low_precision_on_the_explicit_fsdp_path(policy):
     fp32, _, _ = run_steps(config)
     low, _, _ = run_steps(with_(config, precision=dict(policy=policy)))
     assert np.max(np.abs(low - fp32) / fp32) <= 0.02
+
+
+def test_loss_chunks_cut_the_logits_temporaries():
+    """``model.loss_chunks``: one slice's logits alive at a time. With a vocab large beside
+    the model, the step's temporaries are mostly logits and their gradient: 8 slices keep
+    an eighth of them (plus the slice loop's own buffers)."""
+    config = with_(tiny_config(MeshConfig(data=8)), train=dict(batch_size=16, seq_len=128),
+                   model=dict(vocab_size=8192, tie_embeddings=False))
+    temps = {}
+    for chunks in (1, 8):
+        setup = build_setup(with_(config, model=dict(loss_chunks=chunks)))
+        batch = jax.ShapeDtypeStruct((16, 128), jnp.int32, sharding=setup.batch_sharding)
+        compiled = make_train_step(setup).lower(
+            abstract_state(setup), {"inputs": batch, "targets": batch}).compile()
+        temps[chunks] = compiled.memory_analysis().temp_size_in_bytes
+    logits_bytes = 2 * 128 * 8192 * 4  # one device's fp32 logits
+    assert temps[1] - temps[8] >= logits_bytes, temps
+
+
+def test_loss_chunks_must_divide_the_sequence():
+    config = with_(tiny_config(MeshConfig(data=8), loss_chunks=3))
+    with pytest.raises(ConfigError, match=r"model.loss_chunks=3 does not divide .* 32 "):
+        run_steps(config)

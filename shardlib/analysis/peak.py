@@ -125,8 +125,9 @@ def saved_bytes_per_token(config: Config, sizes: Mapping[str, int], remat: str,
                           c: int, counts: BufferCounts = CPU_COUNTS,
                           keys: int | None = None) -> float:
     """Bytes kept per local token from forward to backward: every layer's activations
-    and the logits'. Attention probabilities (fp32, every key: K/V are gathered along the
-    sequence) are kept unless the layer is recomputed."""
+    and the logits' (one ``model.loss_chunks`` slice of them). Attention probabilities
+    (fp32, every key: K/V are gathered along the sequence) are kept unless the layer is
+    recomputed."""
     m, t = config.model, sizes.get("tensor", 1)
     d, f = m.d_model, m.d_ff / t
     if remat == "none":
@@ -136,7 +137,7 @@ def saved_bytes_per_token(config: Config, sizes: Mapping[str, int], remat: str,
         mlp_inputs = 2 if m.mlp == "gated" else 1
         per_layer = (counts.remat_d[remat] * d
                      + (counts.dots_f * mlp_inputs * f if remat == "dots" else 0.0)) * c
-    return m.num_layers * per_layer + counts.logits * 4 * m.vocab_size / t
+    return m.num_layers * per_layer + counts.logits * 4 * m.vocab_size / t / m.loss_chunks
 
 
 def working_bytes_per_token(config: Config, sizes: Mapping[str, int], remat: str,

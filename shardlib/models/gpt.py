@@ -130,6 +130,13 @@ class GPT(nnx.Module):
         empty for a dense model). A packed batch passes ``segment_ids`` (B, T) (tokens of
         different documents do not attend to each other) and ``positions`` (B, T) (each
         document's positions from 0, for RoPE or the learned table)."""
+        x_btd, stats = self.final_hidden(tokens_bt, segment_ids, positions)
+        return self.head(x_btd), stats
+
+    def final_hidden(self, tokens_bt: jax.Array, segment_ids: jax.Array | None = None,
+                     positions: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
+        """The last block's output (B, T, D), before the head, and the router stats (as
+        ``forward``): for a loss that runs the head itself (``model.loss_chunks``)."""
         stats: MoEStats = {}
         with packed_documents(segment_ids, positions):
             x_btd = self.embed_tokens(tokens_bt, positions)
@@ -139,7 +146,7 @@ class GPT(nnx.Module):
                 x_btd, stats = run_groups(self.blocks, x_btd, self.cfg, remat)
             else:
                 x_btd = run_dense(self.blocks, x_btd, self.cfg)
-        return self.head(x_btd), stats
+        return x_btd, stats
 
     def embed_tokens(self, tokens_bt: jax.Array,
                      positions: jax.Array | None = None) -> jax.Array:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlib import precision
+from shardlib.errors import ConfigError
 from shardlib.models.attention import using_kernel
 from shardlib.models.gpt import gather_outside_layers
 from shardlib.models.moe import moe_objective
@@ -37,13 +38,39 @@ def model_loss(setup: TrainSetup, rules: Rules, params: nnx.State,
     attn = setup.config.attention
     with (activation_rules(setup.mesh, rules), context.context_parallel(cp_method),
           using_kernel(attn.impl, attn.chunk)):
-        logits_btv, moe_stats = model.forward(batch["inputs"], batch.get("segment_ids"),
+        x_btd, moe_stats = model.final_hidden(batch["inputs"], batch.get("segment_ids"),
                                               batch.get("positions"))
-    logits_btv = logits_btv.astype(setup.policy.output)
-    losses_bt = tensor.cross_entropy(logits_btv, batch["targets"])  # vocab-parallel if TP
+        losses_bt = head_losses(model, x_btd, batch["targets"], setup.policy.output,
+                                setup.config.model.loss_chunks)
     penalty, moe_metrics = moe_objective(setup.config.model, moe_stats)
     loss = jnp.mean(losses_bt)
     return loss + penalty.astype(loss.dtype), {"loss": loss, **moe_metrics}
+
+
+def head_losses(model: nnx.Module, x_btd: jax.Array, targets_bt: jax.Array,
+                output_dtype: jnp.dtype, chunks: int) -> jax.Array:
+    """Per-token cross-entropy (B, T) of the LM head on the last block's output, vocab-parallel
+    under TP. With ``chunks`` > 1 the head runs on strided slices of the sequence in a loop,
+    one slice's logits alive at a time and recomputed in the backward (the head's gradient
+    is summed over slices in the compute dtype)."""
+    def slice_losses(x_bcd: jax.Array, targets_bc: jax.Array) -> jax.Array:
+        logits_bcv = model.head(x_bcd).astype(output_dtype)
+        return tensor.cross_entropy(logits_bcv, targets_bc)
+
+    if chunks == 1:
+        return slice_losses(x_btd, targets_bt)
+    (b, t_x, d), t = x_btd.shape, targets_bt.shape[1]
+    if t_x % chunks:
+        raise ConfigError(f"model.loss_chunks={chunks} does not divide this device's "
+                          f"{t_x} positions per sequence; fix: a divisor of {t_x}")
+    # slice n holds positions i * chunks + n: each slice spans every shard of a sequence-
+    # sharded T. Under SP the head gathers T over tensor (r = t / t_x shards, in order).
+    r = t // t_x
+    x_nbcd = jnp.moveaxis(x_btd.reshape(b, t_x // chunks, chunks, d), 2, 0)
+    targets_nbc = jnp.moveaxis(targets_bt.reshape(b, r, t_x // chunks, chunks), 3, 0)
+    losses_nbc = jax.lax.map(lambda xt: jax.checkpoint(slice_losses)(*xt),
+                             (x_nbcd, targets_nbc.reshape(chunks, b, -1)))
+    return jnp.moveaxis(losses_nbc.reshape(chunks, b, r, t_x // chunks), 0, 3).reshape(b, t)
 
 
 def loss_fn(setup: TrainSetup, params: nnx.State, batch: Batch) -> jax.Array:
