@@ -161,8 +161,8 @@ def test_fsdp_tp_gathers_over_fsdp_and_keeps_weights_split_over_tensor():
 
 # ----------------------------------------------------------------------------- ratios
 # The pipeline cases' theory is held on jax 0.10.2; on jax 0.12 `dp_pp_fsdp` and
-# `pp_interleaved` measure 1.19x and 1.18x their theory (not yet explained), so they stay
-# out of the newest-jax contract leg (docs/reference/limitations.md).
+# `pp_interleaved` measure 1.19x and 1.18x their theory (two extra one-layer fsdp
+# gathers), so they stay out of the newest-jax contract leg (docs/reference/limitations.md).
 PIPELINE_CASES = {name for name in CASES if "pp" in name.split("_")}
 NEWEST_JAX_GAP = pytest.mark.jax_0_10_only
 
