@@ -49,19 +49,28 @@ def kept(config: Config, remat: str = "keep") -> Config:
 
 @pytest.mark.parametrize("schedule, virtual", SCHEDULES)
 def test_tapes_live_from_forward_to_backward(schedule: str, virtual: int):
-    """Replaying the table: each B/W reads the tape its own F wrote, never one overwritten
-    since; the slots needed are the live activations (+ those waiting for W); a stage
-    input is held only from its arrival to its F, so fewer input slots."""
+    """Replaying the table: each F reads the input that arrived for it and each B/W the
+    tape its own F wrote, never one overwritten since; the tapes needed are the
+    microbatches between F and B (W under ZB-H1); a stage input is held only from its
+    arrival to its F, so fewer input slots."""
     table, plain = build(schedule, 4, 8, virtual, keep=True), build(schedule, 4, 8, virtual)
     tapes: list[dict] = [{} for _ in range(4)]
+    acts: list[dict] = [{} for _ in range(4)]
+    last = 4 * virtual - 1
     for t in range(table.ticks):
         for s in range(4):
             op, c, m = (int(a[t, s]) for a in (table.op_ts, table.chunk_ts, table.mb_ts))
             slot = int(table.tape_slot_ts[t, s])
             if op == FWD:
+                assert c * 4 + s == 0 or acts[s][int(table.act_slot_ts[t, s])] == (c, m)
                 tapes[s][slot] = (c, m)
             elif op in (BWD, WGT):
                 assert tapes[s][slot] == (c, m), (t, s)
+        for s in range(4):  # end of tick: the activations sent arrive
+            op, c, m = (int(a[t, s]) for a in (table.op_ts, table.chunk_ts, table.mb_ts))
+            g = c * 4 + s
+            if op == FWD and g < last:
+                acts[(g + 1) % 4][int(table.act_recv_ts[t, (g + 1) % 4])] = ((g + 1) // 4, m)
     release = WGT if table.split_backward else BWD  # the most between F and their release
     held = np.cumsum((table.op_ts == FWD).astype(int) - (table.op_ts == release), axis=0)
     assert table.tape_slots == held.max() >= max(table.live_activations())

@@ -263,9 +263,10 @@ GATED = ("in a conditional branch", "unknown trip count")  # ``analysis.hlo_text
 def executed(collectives: list[Collective], config: Config, sizes: Mapping[str, int]
              ) -> list[Collective]:
     """The HLO's collectives with the runs the schedule gives them: a tick's forward
-    (a ``cond``) and backward (``run_if``, a loop of 0 or 1 trips) run on ``M V`` of the
-    ``N`` ticks on a device, but the HLO counts a branch as if it ran and such a loop once,
-    i.e. every tick. Collectives under those gates run ``M V / N`` as often as counted."""
+    (a ``cond``, under ``pipeline.remat=keep`` a ``run_if``) and backward (``run_if``, a
+    loop of 0 or 1 trips) run on ``M V`` of the ``N`` ticks on a device, but the HLO
+    counts a branch as if it ran and such a loop once, i.e. every tick. Collectives under
+    those gates run ``M V / N`` as often as counted."""
     if not applies(sizes):
         return collectives
     schedule = schedule_of(config, sizes)
