@@ -232,6 +232,10 @@ class PipelineConfig:
     # interleaved only: chunks of layers per device (chunk c of device s is model stage
     # c x pipeline + s); bubble (pipeline-1)/(V M) of the ideal; layers divisible by P x V
     virtual_stages: int = 1
+    # recompute: a forward keeps only its stage input and the backward reruns the stage |
+    # keep: the forward keeps what the backward needs (model.remat still decides what
+    # that is inside the layers): no rerun, activations of each live microbatch held
+    remat: str = "recompute"
 
 
 @dataclass(frozen=True)

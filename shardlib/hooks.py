@@ -81,7 +81,7 @@ _MOVEMENT = frozenset({"all_gather", "convert_element_type", "stack", "concatena
                        "copy", "copy_p", "pcast"})
 
 
-def _activations_not_weights(prim, *_, **params) -> bool:
+def activations_not_weights(prim, *_, **params) -> bool:
     """Remat policy: save every result except data movement and ``GATHERED`` values."""
     if prim.name == "name":
         return params.get("name") != GATHERED
@@ -100,7 +100,7 @@ def weights_policy(base: Callable | None) -> tuple[bool, Callable | None]:
         return base is not None, base
     if active.reshard_after_forward:
         if base is None:  # save every activation, but nothing on the weights' path
-            return True, _activations_not_weights
+            return True, activations_not_weights
         return True, base  # nothing_saveable / dots_*: weights are not dots, never saved
     keep = policies.save_only_these_names(GATHERED)
     if base is None:

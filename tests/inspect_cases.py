@@ -2,8 +2,8 @@
 
 Each is the tiny GPT (batch 8 x 32 tokens) on 8 simulated CPU devices. Pure tensor
 parallelism over 8 devices needs 8 heads; head count changes no byte count. The pipeline
-cases run 1F1B (2 and 4 microbatches; twice under ``grad_accum=2``), ZB-H1 and
-interleaved 1F1B (2 chunks of one layer).
+cases run 1F1B (2 and 4 microbatches; twice under ``grad_accum=2``; with
+``pipeline.remat=keep``), ZB-H1 and interleaved 1F1B (2 chunks of one layer).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ CASES: dict[str, tuple[MeshConfig, dict]] = {
     "pp_interleaved": (MeshConfig(data=2, pipeline=2, fsdp=2), {"num_layers": 4}),
     "pp_tp_accum": (MeshConfig(data=2, pipeline=2, tensor=2), {}),
     "pp_tp_zb": (MeshConfig(data=2, pipeline=2, tensor=2), {}),
+    "pp_tp_keep": (MeshConfig(data=2, pipeline=2, tensor=2), {}),
 }
 EXTRA: dict[str, Callable[[Config], Config]] = {  # the pipeline cases' other settings
     "pp_interleaved": lambda c: dataclasses.replace(
@@ -36,6 +37,7 @@ EXTRA: dict[str, Callable[[Config], Config]] = {  # the pipeline cases' other se
     "pp_tp_accum": lambda c: dataclasses.replace(
         c, train=dataclasses.replace(c.train, grad_accum=2)),
     "pp_tp_zb": lambda c: dataclasses.replace(c, pipeline=PipelineConfig(schedule="zb-h1")),
+    "pp_tp_keep": lambda c: dataclasses.replace(c, pipeline=PipelineConfig(remat="keep")),
 }
 
 

@@ -88,6 +88,16 @@ def test_zero_bubble_composes_with_tensor_and_sequence(reference):
     assert_like_one_device(run_steps(scheduled(tiny_config(SP_ULYSSES), "zb-h1")), reference)
 
 
+def test_kept_residuals_compose_with_tensor_and_sequence(reference):
+    """``pipeline.remat=keep`` under ZB-H1 (B and W both read the tape) through stages that
+    run Megatron TP + SP and Ulysses: the tapes hold the gathered activations, and the
+    f/g transposes run from them."""
+    config = scheduled(tiny_config(SP_ULYSSES), "zb-h1")
+    config = dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline,
+                                                                      remat="keep"))
+    assert_like_one_device(run_steps(config), reference)
+
+
 @pytest.mark.slow  # its own 4-layer one-device reference
 def test_interleaved_composes_with_tensor_and_sequence():
     """Interleaved 1F1B (2 chunks of one layer per device) with TP + SP and Ulysses."""
@@ -99,19 +109,24 @@ def test_interleaved_composes_with_tensor_and_sequence():
 MOE = {"num_experts": 4, "moe_every": 1, "moe_top_k": 2, "moe_z_weight": 0.01}
 
 
-@pytest.mark.slow  # ~60 s on 2 busy cores: its own one-device MoE reference
+@pytest.mark.slow  # ~90 s on 2 busy cores: its own one-device MoE reference
 def test_pipelined_moe_matches_single_device():
     """An MoE layer per stage: each stage adds its layers' share of the router losses
     (mean over the model's MoE layers) to the objective it differentiates, so the router
-    weights, the losses and the summed router metrics match one device."""
-    want_history, got_history = [], []
+    weights, the losses and the summed router metrics match one device; also with
+    ``pipeline.remat=keep`` (the router stats ride in the tape)."""
+    want_history = []
     want = run_steps(tiny_config(MeshConfig(data=1), **MOE), 1, history=want_history)
-    got = run_steps(tiny_config(MeshConfig(data=2, fsdp=2, pipeline=2), **MOE),
-                    history=got_history)
-    assert_like_one_device(got, want)
-    for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped_frac"):
-        np.testing.assert_allclose([h[key] for h in got_history],
-                                   [h[key] for h in want_history], rtol=TOL, err_msg=key)
+    config = tiny_config(MeshConfig(data=2, fsdp=2, pipeline=2), **MOE)
+    for remat in ("recompute", "keep"):
+        got_history = []
+        got = run_steps(dataclasses.replace(config, pipeline=PipelineConfig(remat=remat)),
+                        history=got_history)
+        assert_like_one_device(got, want)
+        for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped_frac"):
+            np.testing.assert_allclose([h[key] for h in got_history],
+                                       [h[key] for h in want_history], rtol=TOL,
+                                       err_msg=f"{key}, {remat}")
 
 
 @pytest.mark.slow  # ~60 s: its own 4-layer one-device MoE reference

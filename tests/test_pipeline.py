@@ -257,10 +257,12 @@ def test_keeping_gathered_weights_matches_unpipelined():
     assert max(relative_error(grads[k], ref_grads[k]) for k in ref_grads) < 1e-5
 
 
-def train_losses(mesh: MeshConfig, steps: int = 3, schedule: str = "1f1b", virtual: int = 1
-                 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def train_losses(mesh: MeshConfig, steps: int = 3, schedule: str = "1f1b", virtual: int = 1,
+                 remat: str = "recompute") -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Losses of ``steps`` train steps from the reference initial state, and the params."""
     config = make_config(mesh, schedule, microbatches=4, steps=steps, virtual=virtual)
+    config = dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline,
+                                                                      remat=remat))
     setup = build_setup(config,
                         jax.devices()[:mesh.data * mesh.fsdp * mesh.pipeline])
     state = jax.device_put(reference()[0], setup.state_shardings)

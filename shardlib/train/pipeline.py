@@ -14,8 +14,15 @@ stage's gradient accumulator in place, and runs only on backward ticks (``run_if
 the accumulator is the one stage-sized gradient buffer: a layer adds its sharded state
 and one gradient shard to the peak, as under plain FSDP.
 
+With ``pipeline.remat=keep`` a forward runs the stage under ``jax.vjp`` and keeps the
+pullbacks' residuals (its tape: what ``model.remat`` saves inside each layer, less the
+weights, which the backward reads again) in ``Schedule.tape_slots`` slots, from its F to
+its B (W under ZB-H1); the backward starts from that tape, so no forward runs twice, and
+a stage input is held only until its F.
+
 Under ZB-H1 the backward is two ops, B (input cotangent) and W (weight gradients), each
-recomputing the stage: the schedule trades that recompute for a third of 1F1B's bubble.
+recomputing the stage (or reading its tape): the schedule trades that for a third of
+1F1B's bubble.
 Under interleaved 1F1B each device runs ``V`` chunks of layers (``pipeline_chunks`` deals
 them from the stored layout each step) and activations go round the devices ``V`` times.
 
@@ -57,12 +64,13 @@ from shardlib.sharding import make_rules
 from shardlib.train import comm, pipeline_chunks
 from shardlib.train import pipeline_schedule as ticks
 from shardlib.train.pipeline_schedule import BWD, FWD, IDLE, SCHEDULES, Schedule, build
-from shardlib.train.pipeline_stage import Microbatch, Parts, Stage, zero_parts
+from shardlib.train.pipeline_stage import Layouts, Microbatch, Parts, Stage, zero_parts
 from shardlib.train.setup import TrainSetup
 
 AXIS = "pipeline"
 BATCH_AXES = ("data", "fsdp")
 SEQ_AXIS = "sequence"  # context parallelism: the loss is a mean over its slices too
+REMAT = ("recompute", "keep")  # pipeline.remat: what a backward tick starts from
 
 
 def applies(sizes: Mapping[str, int]) -> bool:
@@ -97,6 +105,11 @@ def check_pipeline(config: Config, sizes: Mapping[str, int]) -> None:
     if config.pipeline.schedule not in SCHEDULES:
         raise ConfigError(f"pipeline.schedule={config.pipeline.schedule!r}: use one of "
                           f"{', '.join(SCHEDULES)}")
+    if config.pipeline.remat not in REMAT:
+        raise ConfigError(f"pipeline.remat={config.pipeline.remat!r}: use recompute (a "
+                          "backward reruns its stage's forward from the stage input) or keep "
+                          "(the forward keeps its residuals for the backward: no rerun, more "
+                          "memory)")
     v = config.pipeline.virtual_stages
     if v != 1 and config.pipeline.schedule != "interleaved":
         ticks.check_virtual(config.pipeline.schedule, sizes.get(AXIS, 1), 1, v)  # raises
@@ -207,11 +220,13 @@ def _check_microbatches(config: Config, sizes: Mapping[str, int]) -> None:
 
 
 def tables(schedule: Schedule) -> np.ndarray:
-    """(ticks, stages, 7) int32: op, microbatch, act read/receive slot, grad read/receive
-    slot, chunk. Passed traced, one compiled step runs any schedule of the same shape."""
+    """(ticks, stages, 8) int32: op, microbatch, act read/receive slot, grad read/receive
+    slot, chunk, tape slot (``pipeline.remat=keep``). Passed traced, one compiled step
+    runs any schedule of the same shape."""
     s = schedule
+    tape_ts = s.tape_slot_ts if s.kept else np.zeros_like(s.op_ts)
     return np.stack([s.op_ts, s.mb_ts, s.act_slot_ts, s.act_recv_ts, s.grad_slot_ts,
-                     s.grad_recv_ts, s.chunk_ts], axis=-1)
+                     s.grad_recv_ts, s.chunk_ts, tape_ts], axis=-1)
 
 
 def run_if(pred: jax.Array, body: Callable[[tuple], tuple], carry: tuple) -> tuple:
@@ -230,43 +245,70 @@ def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params:
     """Inside shard_map: run the tick table; return (this stage's loss parts summed over
     its microbatches, starting from the zeros ``parts``; its parameter gradients for
     cotangent ``dloss`` per microbatch objective).
-    ``schedule`` gives the shapes (stages, slots, chunks) and whether B and W are split,
-    ``table_tpc`` the operations; ``batch_mbt`` holds every key of the batch split into
-    microbatches, and ``act_shape`` is the (b, T, D) of an activation passed between
-    stages."""
-    p, v, split = schedule.stages, schedule.virtual, schedule.split_backward
-    me = jax.lax.axis_index(AXIS)
+    ``schedule`` gives the shapes (stages, slots, chunks), whether B and W are split and
+    whether forwards keep their residuals (``kept``), ``table_tpc`` the operations;
+    ``batch_mbt`` holds every key of the batch split into microbatches, and ``act_shape``
+    is the (b, T, D) of an activation passed between stages."""
+    p, v = schedule.stages, schedule.virtual
+    params = pipeline_chunks.deal(params, p, v, AXIS)  # chunk c: model stage c P + me
     zeros_btd = jnp.zeros(act_shape, dtype)
+    tapes, layouts = {}, None
+    if schedule.kept:
+        mb0 = {key: x_mbt[0] for key, x_mbt in batch_mbt.items()}
+        tapes, layouts = stage.tape_buffers(pipeline_chunks.chunk(params, jnp.int32(0), v),
+                                            zeros_btd, mb0, schedule.tape_slots)
+    tick = _tick(stage, schedule, params, batch_mbt, dloss, zeros_btd, layouts)
+    init = (jnp.zeros((schedule.act_slots + 1, *act_shape), dtype),  # + scratch slot
+            jnp.zeros((schedule.grad_slots + 1, *act_shape), dtype), tapes,
+            jax.tree.map(jnp.zeros_like, params), parts)
+    (_, _, _, grads, parts), _ = jax.lax.scan(tick, init, table_tpc)
+    return parts, pipeline_chunks.deal(grads, p, v, AXIS, inverse=True)
+
+
+def _tick(stage: Stage, schedule: Schedule, params: nnx.State, batch_mbt: Microbatch,
+          dloss: jax.Array, zeros_btd: jax.Array, layouts: Layouts | None) -> Callable:
+    """One tick of ``run_schedule``'s scan: this device's op (a forward, a backward: B,
+    and W under a split schedule), then the stage-to-stage permutes."""
+    p, v, split, kept = schedule.stages, schedule.virtual, schedule.split_backward, schedule.kept
+    me = jax.lax.axis_index(AXIS)
     ring = v > 1  # the last device's chunk c feeds the first device's chunk c + 1
     to_next = [(s, (s + 1) % p) for s in range(p if ring else p - 1)]
     to_prev = [(s, (s - 1) % p) for s in range(0 if ring else 1, p)]
-    params = pipeline_chunks.deal(params, p, v, AXIS)  # chunk c: model stage c P + me
 
     def tick(carry: tuple, table_pc: jax.Array) -> tuple[tuple, None]:
-        acts_kbtd, cots_kbtd, grads, parts = carry
-        op, m, a_read, a_recv, g_read, g_recv, c = (table_pc[me, i] for i in range(7))
+        acts_kbtd, cots_kbtd, tapes, grads, parts = carry
+        op, m, a_read, a_recv, g_read, g_recv, c, r = (table_pc[me, i] for i in range(8))
         is_first, is_last = (me == 0) & (c == 0), (me == p - 1) & (c == v - 1)
-        op = jnp.where(is_last & (op == FWD), IDLE, op)  # its backward recomputes it anyway
+        if not kept:  # the last stage's backward recomputes its forward anyway
+            op = jnp.where(is_last & (op == FWD), IDLE, op)
         x_btd, mb = acts_kbtd[a_read], {key: x_mbt[m] for key, x_mbt in batch_mbt.items()}
         params_c = pipeline_chunks.chunk(params, c, v)
 
-        def forward() -> jax.Array:
-            return stage.forward(params_c, x_btd, mb, is_first)
+        def forward_kept(state: tuple) -> tuple:
+            """The stage output, and its tape written into slot ``r``."""
+            y_btd, tape, _ = stage.kept_forward(params_c, x_btd, mb, is_first)
+            return y_btd, jax.tree.map(lambda buf, x: buf.at[r].set(x), state[1], tape)
 
         def backward(carry: tuple, weights: bool = True, inputs: bool = True) -> tuple:
-            """Recompute the stage from its input, then back: the input cotangent (B) and
-            the weight gradients (W), both unless the schedule splits them."""
+            """The input cotangent (B) and the weight gradients (W), both unless the
+            schedule splits them: from the kept tape, or recomputing the stage."""
             _, old_grads, parts = carry
             dy_btd = jnp.where(is_last, zeros_btd, cots_kbtd[g_read])
-            dx_btd, grads_c, parts_m = stage.backward(
-                params_c, pipeline_chunks.chunk(old_grads, c, v), x_btd, dy_btd, mb, is_first,
-                is_last, dloss)
+            grads_c = pipeline_chunks.chunk(old_grads, c, v)
+            dx_btd, grads_c, parts_m = (
+                stage.kept_backward(params_c, grads_c, jax.tree.map(lambda b: b[r], tapes),
+                                    layouts, dy_btd, mb, is_last, dloss) if kept else
+                stage.backward(params_c, grads_c, x_btd, dy_btd, mb, is_first, is_last, dloss))
             grads = pipeline_chunks.put_chunk(old_grads, grads_c, c, v) if weights else old_grads
             if not inputs:
                 return zeros_btd, grads, parts
             return dx_btd, grads, jax.tree.map(jnp.add, parts, parts_m)
 
-        y_btd = jax.lax.cond(op == FWD, forward, lambda: zeros_btd)
+        if kept:  # a loop writes the tape in place (a cond would copy the buffers)
+            y_btd, tapes = run_if(op == FWD, forward_kept, (zeros_btd, tapes))
+        else:
+            y_btd = jax.lax.cond(op == FWD, lambda: stage.forward(params_c, x_btd, mb, is_first),
+                                 lambda: zeros_btd)
         dx_btd, grads, parts = run_if(op == BWD, lambda st: backward(st, weights=not split),
                                       (zeros_btd, grads, parts))
         if split:  # W: the weight half, its input cotangent unused (left to XLA to drop)
@@ -274,14 +316,10 @@ def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params:
                                  (zeros_btd, grads, parts))
         y_btd = jax.lax.ppermute(y_btd, AXIS, to_next)  # activations one stage on
         dx_btd = jax.lax.ppermute(dx_btd, AXIS, to_prev)  # cotangents one stage back
-        return (acts_kbtd.at[a_recv].set(y_btd), cots_kbtd.at[g_recv].set(dx_btd), grads,
-                parts), None
+        return (acts_kbtd.at[a_recv].set(y_btd), cots_kbtd.at[g_recv].set(dx_btd), tapes,
+                grads, parts), None
 
-    init = (jnp.zeros((schedule.act_slots + 1, *act_shape), dtype),  # + scratch slot
-            jnp.zeros((schedule.grad_slots + 1, *act_shape), dtype),
-            jax.tree.map(jnp.zeros_like, params), parts)
-    (_, _, grads, parts), _ = jax.lax.scan(tick, init, table_tpc)
-    return parts, pipeline_chunks.deal(grads, p, v, AXIS, inverse=True)
+    return tick
 
 
 def _spec_axes(spec: PartitionSpec) -> set[str]:
@@ -381,11 +419,12 @@ def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, 
     config, sizes = setup.config, setup.sizes
     schedule = schedule or build(config.pipeline.schedule, sizes[AXIS],
                                  resolve_microbatches(config, sizes),
-                                 config.pipeline.virtual_stages)
+                                 config.pipeline.virtual_stages,
+                                 keep=config.pipeline.remat == "keep")
     table_tpc = tables(schedule) if table_tpc is None else table_tpc
     per_layer = sizes.get("fsdp", 1) > 1 and config.mesh.reshard_after_forward
     stage = Stage(setup.graphdef, setup.policy, config.model.remat, gathers=per_layer,
-                  moe=config.model if config.model.num_experts else None)
+                  moe=config.model if config.model.num_experts else None, keep=schedule.kept)
     specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
     count = schedule.microbatches
     shards = batch_shards(sizes) * sizes.get(SEQ_AXIS, 1)  # the loss is a mean over these

@@ -42,7 +42,10 @@ class Schedule:
     activation arriving at the end of the tick is written to. ``grad_*`` are the same for
     output cotangents. Slot ``act_slots`` (resp. ``grad_slots``) is a scratch slot for
     "nothing to read / nothing arrived". ``split_backward``: B is the input gradient
-    only and W the weight gradient (zero-bubble schedules).
+    only and W the weight gradient (zero-bubble schedules). ``kept`` (``pipeline.remat=
+    keep``): an F stores what its backward needs in tape slot ``tape_slot_ts`` (of
+    ``tape_slots``, no scratch slot: only F, B and W touch it) and B/W read it there, so
+    a stage input is held only until its F.
     """
 
     name: str
@@ -59,6 +62,9 @@ class Schedule:
     chunk_ts: np.ndarray
     virtual: int = 1
     split_backward: bool = False
+    kept: bool = False
+    tape_slots: int = 0
+    tape_slot_ts: np.ndarray | None = None
 
     @property
     def ticks(self) -> int:
@@ -270,9 +276,11 @@ def check_virtual(schedule: str, stages: int, microbatches: int, virtual: int,
                           f"stages in groups of {stages}; use a multiple of {stages}")
 
 
-def build(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
+def build(schedule: str, stages: int, microbatches: int, virtual: int = 1, *,
+          keep: bool = False) -> Schedule:
     """The tick table of ``schedule`` (one of ``SCHEDULES``) with ``virtual`` chunks per
-    device (interleaved only)."""
+    device (interleaved only); ``keep``: each F keeps its backward's residuals in a tape
+    slot until the B (W under zero-bubble schedules) that reads them."""
     check_virtual(schedule, stages, microbatches, virtual)
     p, m, v = stages, microbatches, virtual
     done = simulate(schedule, p, m, v)
@@ -281,18 +289,37 @@ def build(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> Sc
     for (kind, g, i), t in done.items():
         op_ts[t, g % p], mb_ts[t, g % p], chunk_ts[t, g % p] = kind, i, g // p
     release, last = WGT if split else BWD, p * v - 1
+    input_release = FWD if keep else release  # kept: the tape holds what B and W read
     keys = lambda s: [(c, i) for c in range(v) for i in range(m)]  # noqa: E731
-    acts = [allocate([(done[(FWD, c * p + s - 1, i)], done[(release, c * p + s, i)], (c, i))
-                      for c, i in keys(s) if c * p + s > 0]) for s in range(p)]
+    acts = [allocate([(done[(FWD, c * p + s - 1, i)], done[(input_release, c * p + s, i)],
+                       (c, i)) for c, i in keys(s) if c * p + s > 0]) for s in range(p)]
     grads = [allocate([(done[(BWD, c * p + s + 1, i)], done[(release, c * p + s, i)], (c, i))
                        for c, i in keys(s) if c * p + s < last]) for s in range(p)]
     act_slots, grad_slots = max(k for _, k in acts), max(k for _, k in grads)
     act_slot, act_recv = _slot_tables(done, acts, act_slots, ticks, p, (FWD, 1),
-                                      {FWD, BWD, WGT})
+                                      {FWD} if keep else {FWD, BWD, WGT})
     grad_slot, grad_recv = _slot_tables(done, grads, grad_slots, ticks, p, (BWD, -1),
                                         {BWD, WGT})
+    tape_slots, tape_slot = _tape_table(done, release, p, v, m, ticks) if keep else (0, None)
     return Schedule(schedule, p, m, op_ts, mb_ts, act_slot, act_recv, grad_slot, grad_recv,
-                    act_slots, grad_slots, chunk_ts, v, split)
+                    act_slots, grad_slots, chunk_ts, v, split, keep, tape_slots, tape_slot)
+
+
+def _tape_table(done: Done, release: int, stages: int, virtual: int, microbatches: int,
+                ticks: int) -> tuple[int, np.ndarray]:
+    """(tape slots, (ticks, stages) slot each F writes and each B/W reads; 0 elsewhere):
+    a microbatch chunk's tape lives from its F to its ``release`` op."""
+    p, table = stages, np.zeros((ticks, stages), np.int32)
+    slots = 0
+    for s in range(p):
+        keys = [(c, i) for c in range(virtual) for i in range(microbatches)]
+        slot_of, count = allocate([(done[(FWD, c * p + s, i)], done[(release, c * p + s, i)],
+                                    (c, i)) for c, i in keys])
+        slots = max(slots, count)
+        for (_, g, i), t in done.items():
+            if g % p == s:
+                table[t, s] = slot_of[(g // p, i)]
+    return slots, table
 
 
 def _slot_tables(done: Done, slots: list[tuple[dict, int]], scratch: int, ticks: int,
@@ -314,13 +341,15 @@ def _slot_tables(done: Done, slots: list[tuple[dict, int]], scratch: int, ticks:
     return read_ts, recv_ts
 
 
-def with_slots(schedule: Schedule, act_slots: int, grad_slots: int) -> Schedule:
+def with_slots(schedule: Schedule, act_slots: int, grad_slots: int,
+               tape_slots: int = 0) -> Schedule:
     """The same schedule with (at least) these buffer sizes, so schedules of one tick count
     share array shapes (and one compiled step)."""
     act, grad = max(act_slots, schedule.act_slots), max(grad_slots, schedule.grad_slots)
     move = lambda a, old, new: np.where(a == old, new, a).astype(np.int32)  # noqa: E731
     return dataclasses.replace(
         schedule, act_slots=act, grad_slots=grad,
+        tape_slots=max(tape_slots, schedule.tape_slots),
         act_slot_ts=move(schedule.act_slot_ts, schedule.act_slots, act),
         act_recv_ts=move(schedule.act_recv_ts, schedule.act_slots, act),
         grad_slot_ts=move(schedule.grad_slot_ts, schedule.grad_slots, grad),

@@ -14,11 +14,14 @@ count, ``A`` the ``train.grad_accum`` slices (each runs the whole schedule).
 - ``tensor``: the Megatron terms of ``analysis.theory.tensor_terms`` for one stage's
   layers and one microbatch's rows, ``A M`` times, plus the stage forward once more per
   microbatch (the backward recomputes it); under ZB-H1 W runs the stage's forward and
-  backward once more (B and W each recompute the stage).
+  backward once more (B and W each recompute the stage). Under ``pipeline.remat=keep``
+  the forward runs once (B and W start from its tape): W adds only the backward's share.
 - ``fsdp``: with ``mesh.reshard_after_forward`` each forward op gathers its layers and
   the embedding, each backward op its layers and every weight outside them, and
   reduce-scatters their gradients: ``A M V`` ops of each kind (``V`` chunks per device;
-  under ZB-H1 W gathers again, and only W's weight gradients are reduce-scattered);
+  under ZB-H1 W gathers again, and only W's weight gradients are reduce-scattered; the
+  same under ``pipeline.remat=keep``, whose tapes hold no weights, so every backward
+  gathers its layers and the weights outside them again);
   without it the stage gathers once and reduce-scatters once per flush.
 - gradient reductions, once per flush (``A`` times a step): the stage's layers over the
   batch axes (and ``sequence``, and ``tensor`` for the norms under SP); the weights
@@ -70,7 +73,7 @@ def step_comm_terms(config: Config, sizes: Mapping[str, int], param_bytes: int =
 def schedule_of(config: Config, sizes: Mapping[str, int]) -> Schedule:
     """The tick table the pipelined step runs."""
     return build(config.pipeline.schedule, sizes[AXIS], resolve_microbatches(config, sizes),
-                 config.pipeline.virtual_stages)
+                 config.pipeline.virtual_stages, keep=config.pipeline.remat == "keep")
 
 
 def pipeline_terms(config: Config, sizes: Mapping[str, int], param_bytes: int = PARAM_BYTES,
@@ -83,10 +86,10 @@ def pipeline_terms(config: Config, sizes: Mapping[str, int], param_bytes: int = 
             *_times(deal_terms(config, sizes, schedule, param_bytes), accum, "A"),
             *stage_fsdp_terms(config, sizes, schedule, accum, param_bytes, gather_bytes),
             *_times(stage_replica_terms(config, sizes, param_bytes), accum, "A"),
-            *_times(stage_tensor_terms(g, schedule.split_backward),
+            *_times(stage_tensor_terms(g, schedule.split_backward, schedule.kept),
                     accum * schedule.microbatches, "A M"),
             *_times(stage_context_terms(g, config.attention.context_parallel,
-                                        schedule.split_backward),
+                                        schedule.split_backward, schedule.kept),
                     accum * schedule.microbatches, "A M")]
 
 
@@ -217,27 +220,40 @@ def stage_replica_terms(config: Config, sizes: Mapping[str, int],
     return terms
 
 
-def stage_tensor_terms(g: Geometry, split: bool = False) -> list[Term]:
+def _runs(forward_share: Fraction | int, split: bool, kept: bool) -> Fraction:
+    """How often a term runs per microbatch, its forward share ``a`` of the whole:
+    recompute ``1 + a`` (the backward reruns the forward) ``+ 1`` under ZB-H1 (W reruns the
+    forward and the backward); kept ``1``, ``+ 1 - a`` under ZB-H1 (W runs the backward
+    again from the tape)."""
+    a = Fraction(forward_share)
+    return 1 + split * (1 - a) if kept else 1 + a + split
+
+
+def stage_tensor_terms(g: Geometry, split: bool = False, kept: bool = False) -> list[Term]:
     """Megatron TP for one microbatch through one stage: ``tensor_terms`` of the stage's
-    layers, plus the stage forward's collectives again (the backward recomputes it);
-    ``split`` (ZB-H1): W recomputes the forward and runs the backward once more."""
+    layers, plus the stage forward's collectives again (the backward recomputes it) unless
+    ``kept`` (``pipeline.remat=keep``); ``split`` (ZB-H1): W runs the backward once more,
+    and recomputing, the forward too."""
     terms = [t for t in tensor_terms(g) if t.name != "norm-scale grads"]  # in reduce_grads
     again = {"blocks f/g": Fraction(1, 2), "blocks SP gather": Fraction(1, 2),
              "blocks SP scatter": Fraction(1, 2), "embedding lookup": Fraction(1)}
-    return [replace(t, bytes_per_device=round(t.bytes_per_device * (1 + again.get(t.name, 0)
-                                                                    + split)),
-                    formula=f"{t.formula}, + the recomputed forward" if t.name in again
-                    else t.formula) for t in terms]
+    note = ", + the recomputed forward" if not kept else ""
+    return [replace(t, bytes_per_device=round(t.bytes_per_device
+                                              * _runs(again.get(t.name, 0), split, kept)),
+                    formula=f"{t.formula}{note}" if t.name in again else t.formula)
+            for t in terms]
 
 
-def stage_context_terms(g: Geometry, method: str, split: bool = False) -> list[Term]:
+def stage_context_terms(g: Geometry, method: str, split: bool = False,
+                        kept: bool = False) -> list[Term]:
     """Context parallelism for one microbatch through one stage: ``context_terms`` plus
-    the forward's share again (recomputed): Ulysses' all-to-alls are half forward; the
-    all-gather method gathers K/V in forward and reduce-scatters them in backward.
-    ``split`` (ZB-H1): W runs forward and backward once more."""
+    the forward's share again (recomputed, unless ``kept``): Ulysses' all-to-alls are half
+    forward; the all-gather method gathers K/V in forward and reduce-scatters them in
+    backward. ``split`` (ZB-H1): W runs the backward once more (and the forward, when
+    recomputing)."""
     again = {"q/k/v/out all-to-all": Fraction(1, 2), "K/V all-gather": Fraction(1)}
     return [replace(t, bytes_per_device=round(t.bytes_per_device
-                                              * (1 + again.get(t.name, 0) + split)))
+                                              * _runs(again.get(t.name, 0), split, kept)))
             for t in context_terms(g, method)]
 
 
@@ -247,9 +263,10 @@ GATED = ("in a conditional branch", "unknown trip count")  # ``analysis.hlo_text
 def executed(collectives: list[Collective], config: Config, sizes: Mapping[str, int]
              ) -> list[Collective]:
     """The HLO's collectives with the runs the schedule gives them: a tick's forward
-    (a ``cond``) and backward (``run_if``, a loop of 0 or 1 trips) run on ``M V`` of the
-    ``N`` ticks on a device, but the HLO counts a branch as if it ran and such a loop once,
-    i.e. every tick. Collectives under those gates run ``M V / N`` as often as counted."""
+    (a ``cond``, under ``pipeline.remat=keep`` a ``run_if``) and backward (``run_if``, a
+    loop of 0 or 1 trips) run on ``M V`` of the ``N`` ticks on a device, but the HLO
+    counts a branch as if it ran and such a loop once, i.e. every tick. Collectives under
+    those gates run ``M V / N`` as often as counted."""
     if not applies(sizes):
         return collectives
     schedule = schedule_of(config, sizes)
