@@ -18,6 +18,7 @@ from shardlib.config import Config, MeshConfig, OptimConfig, TrainConfig
 from shardlib.models import get_preset
 
 TINY = get_preset("tiny")
+TOL = 1e-5  # the equivalence suites' relative tolerance against one device, never loosened
 
 
 def tiny_config(mesh: MeshConfig, steps: int = 3, **model_changes) -> Config:
@@ -80,6 +81,24 @@ def packed_batch(b: int = 8, t: int = 32, seed: int = 0) -> dict[str, np.ndarray
 def relative_error(a: np.ndarray, b: np.ndarray) -> float:
     """||a - b|| / ||b||: the per-tensor relative error the equivalence tests bound."""
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def assert_tensors_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray],
+                         tol: float = TOL) -> None:
+    """Every tensor of ``want`` (by path) within ``tol`` relative error in norm in ``got``;
+    the message names the worst one."""
+    errors = {path: relative_error(got[path], want[path]) for path in want}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= tol, f"{worst}: relative error {errors[worst]:.2e}"
+
+
+def assert_like_one_device(got: tuple, want: tuple, tol: float = TOL) -> None:
+    """Two ``run_steps`` results: losses elementwise and every parameter tensor within
+    ``tol``, and the steps really trained."""
+    (losses, params, _), (ref_losses, ref_params, _) = got, want
+    np.testing.assert_allclose(losses, ref_losses, rtol=tol)
+    assert losses[-1] < losses[0]
+    assert_tensors_close(params, ref_params, tol)
 
 
 def loss_and_grads(config: Config, num_devices: int = 8):

@@ -23,9 +23,7 @@ from shardlib.errors import ConfigError
 from shardlib.train.state import build_setup
 from tests.four_axis_cases import CASES as FOUR_AXIS
 from tests.four_axis_cases import mesh_devices
-from tests.helpers import packed_batch, relative_error, run_steps, tiny_config
-
-TOL = 1e-5
+from tests.helpers import TOL, assert_like_one_device, packed_batch, run_steps, tiny_config
 
 MESHES = {  # name: (mesh, attention.context_parallel)
     "pipeline=2,tensor=2,data=2": (MeshConfig(data=2, pipeline=2, tensor=2), "none"),
@@ -37,16 +35,6 @@ MESHES = {  # name: (mesh, attention.context_parallel)
         MeshConfig(data=1, pipeline=2, sequence=2, tensor=2, sequence_parallel=True),
         "ulysses"),
 }
-
-
-def assert_like_one_device(got: tuple, want: tuple) -> None:
-    """Losses elementwise and every parameter tensor (relative error in norm) within TOL."""
-    (losses, params, _), (ref_losses, ref_params, _) = got, want
-    np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
-    assert losses[-1] < losses[0]  # the steps really trained
-    errors = {path: relative_error(params[path], ref_params[path]) for path in ref_params}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= TOL, f"{worst}: relative error {errors[worst]:.2e}"
 
 
 @pytest.fixture(scope="module")
