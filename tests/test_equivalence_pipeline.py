@@ -222,7 +222,7 @@ def test_four_axis_meshes_match_single_device(name, four_axis):
     assert_case_matches(four_axis[name], 16)
 
 
-@pytest.mark.slow  # 12-22 s on 2 busy cores: one 32-device process, a reference, 1 mesh
+@pytest.mark.slow  # 12-42 s on 2 busy cores: one 32-device process, a reference, 1 mesh
 @pytest.mark.parametrize("name", cases_on(32, moe=False))
 def test_five_axis_mesh_matches_single_device(name, five_axis):
     """32 devices, data, pipeline, fsdp, sequence (Ulysses) and tensor of 2 each: losses
