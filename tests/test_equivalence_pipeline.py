@@ -22,9 +22,8 @@ from shardlib.config import AttentionConfig, Config, MeshConfig, PipelineConfig
 from shardlib.errors import ConfigError
 from shardlib.train.state import build_setup
 from tests.four_axis_cases import CASES as FOUR_AXIS
-from tests.helpers import packed_batch, relative_error, run_steps, tiny_config
-
-TOL = 1e-5
+from tests.four_axis_cases import mesh_devices
+from tests.helpers import TOL, assert_like_one_device, packed_batch, run_steps, tiny_config
 
 MESHES = {  # name: (mesh, attention.context_parallel)
     "pipeline=2,tensor=2,data=2": (MeshConfig(data=2, pipeline=2, tensor=2), "none"),
@@ -36,16 +35,6 @@ MESHES = {  # name: (mesh, attention.context_parallel)
         MeshConfig(data=1, pipeline=2, sequence=2, tensor=2, sequence_parallel=True),
         "ulysses"),
 }
-
-
-def assert_like_one_device(got: tuple, want: tuple) -> None:
-    """Losses elementwise and every parameter tensor (relative error in norm) within TOL."""
-    (losses, params, _), (ref_losses, ref_params, _) = got, want
-    np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
-    assert losses[-1] < losses[0]  # the steps really trained
-    errors = {path: relative_error(params[path], ref_params[path]) for path in ref_params}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= TOL, f"{worst}: relative error {errors[worst]:.2e}"
 
 
 @pytest.fixture(scope="module")
@@ -202,36 +191,68 @@ def test_tensor_rule_overrides_are_refused_under_pipeline():
 
 
 
-@pytest.fixture(scope="module")
-def four_axis() -> dict:
-    """``tests.four_axis_cases`` in a 16-device subprocess: every case in one start-up."""
+def many_device_cases(num_devices: int) -> dict:
+    """``tests.four_axis_cases`` in a subprocess of ``num_devices`` CPU devices: the cases
+    whose mesh takes them, in one start-up."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
                [str(root), *filter(None, [os.environ.get("PYTHONPATH")])]),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=16", "JAX_PLATFORMS": "cpu"}
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={num_devices}",
+           "JAX_PLATFORMS": "cpu"}
     run = subprocess.run([sys.executable, "-m", "tests.four_axis_cases"], cwd=root, env=env,
                          capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow  # ~1 min on 2 busy cores: one 16-device process, a reference, 2 meshes
-@pytest.mark.parametrize("name", [n for n, (_, _, moe) in FOUR_AXIS.items() if not moe])
-def test_four_axis_meshes_match_single_device(name, four_axis):
-    """16 devices, four axes of 2 with pipeline=2: losses and every parameter within 1e-5
-    of one device (TP inside each stage beside data x fsdp, or beside Ulysses and fsdp)."""
-    result = four_axis[name]
+@pytest.fixture(scope="module")
+def four_axis() -> dict:
+    return many_device_cases(16)
+
+
+@pytest.fixture(scope="module")
+def five_axis() -> dict:
+    return many_device_cases(32)
+
+
+def cases_on(num_devices: int, moe: bool) -> list[str]:
+    """The names of ``FOUR_AXIS`` cases whose mesh takes ``num_devices``, MoE or dense."""
+    return [name for name, (mesh, _, is_moe) in FOUR_AXIS.items()
+            if is_moe == moe and mesh_devices(mesh) == num_devices]
+
+
+def assert_case_matches(result: dict, num_devices: int) -> None:
+    """A subprocess case trained on ``num_devices`` within TOL of one device."""
     assert "refused" not in result, result
-    assert result["devices"] == 16 and result["trained"]
+    assert result["devices"] == num_devices and result["trained"]
     assert result["loss_rel_err"] <= TOL, result
     assert result["param_rel_err"] <= TOL, result
 
 
+@pytest.mark.slow  # ~1 min on 2 busy cores: one 16-device process, a reference, 2 meshes
+@pytest.mark.parametrize("name", cases_on(16, moe=False))
+def test_four_axis_meshes_match_single_device(name, four_axis):
+    """16 devices, four axes of 2 with pipeline=2: losses and every parameter within 1e-5
+    of one device (TP inside each stage beside data x fsdp, or beside Ulysses and fsdp)."""
+    assert_case_matches(four_axis[name], 16)
+
+
+@pytest.mark.slow  # 12-42 s on 2 busy cores: one 32-device process, a reference, 1 mesh
+@pytest.mark.parametrize("name", cases_on(32, moe=False))
+def test_five_axis_mesh_matches_single_device(name, five_axis):
+    """32 devices, data, pipeline, fsdp, sequence (Ulysses) and tensor of 2 each: losses
+    and every parameter within 1e-5 of one device."""
+    assert_case_matches(five_axis[name], 32)
+
+
 @pytest.mark.slow
-def test_four_axis_moe_mesh_is_refused_with_the_reason(four_axis):
-    """moe-tiny on pipeline=2,expert=2,fsdp=2,tensor=2: the experts' all-to-all and tensor
-    split cannot nest in the stages' shard_map, and the error says what to use instead."""
-    (name,) = [n for n, (_, _, moe) in FOUR_AXIS.items() if moe]
-    message = four_axis[name].get("refused", "")
-    assert "num_experts=8 with pipeline=2 and expert=2, tensor=2" in message, four_axis[name]
+@pytest.mark.parametrize("num_devices", [16, 32])
+def test_many_axis_moe_mesh_is_refused_with_the_reason(num_devices, request):
+    """moe-tiny on pipeline=2,expert=2,fsdp=2,tensor=2 (and data=2 beside, on 32): the
+    experts' all-to-all and tensor split cannot nest in the stages' shard_map, and the
+    error says what to use instead."""
+    results = request.getfixturevalue({16: "four_axis", 32: "five_axis"}[num_devices])
+    (name,) = cases_on(num_devices, moe=True)
+    message = results[name].get("refused", "")
+    assert "num_experts=8 with pipeline=2 and expert=2, tensor=2" in message, results[name]
     assert "use data or fsdp beside pipeline" in message

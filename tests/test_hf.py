@@ -23,18 +23,22 @@ from shardlib.config import CheckpointConfig, Config, MeshConfig, TrainConfig  #
 from shardlib.errors import CheckpointError, ConfigError  # noqa: E402
 from shardlib.interop import hf  # noqa: E402
 from shardlib.run.loop import train  # noqa: E402
-from shardlib.sharding import activation_rules  # noqa: E402
 from shardlib.train.state import build_setup  # noqa: E402
+from tests.helpers import HF_SHAPE as SHAPE  # noqa: E402
+from tests.helpers import HF_TOKENS as TOKENS  # noqa: E402
+from tests.helpers import HF_TOL as TOL  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    assert_finetune_exports,
+    assert_hf_round_trip,
+    perturbed_hf,
+    save_hf_models,
+    sharded_logits,
+)
 
-TOL = 1e-4  # max |logit difference|; logits are O(1-10) with initializer_range 0.2
-TOKENS = np.random.default_rng(0).integers(0, 256, (8, 32)).astype(np.int32)
 # llama3: rope_type llama3, tied; qwen2: qkv biases; qwen3: q/k head norms
 KINDS = ("gpt2", "llama", "llama3", "qwen2", "qwen3")
 
 
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
-             initializer_range=0.2)
 # original length 16 with head_dim 16 and theta 5e5: wavelengths fall in all three bands
 # (kept < 4, interpolated 4..16, slowed > 16), so every branch of the scaling is checked
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -65,29 +69,14 @@ def tiny_hf(kind: str):
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
             **SHAPE, tie_word_embeddings=False, use_sliding_window=False))
-    with torch.no_grad():  # biases start at zero, norm weights at one: make them matter
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.2)
-            if name.endswith("_norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return model.eval()
-
-
-def torch_logits(model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    return perturbed_hf(model)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """{kind: (directory, reference logits)}; Llama is saved as 4 shards with an index."""
     root = tmp_path_factory.mktemp("hf")
-    out = {}
-    for kind in KINDS:
-        model = tiny_hf(kind)
-        model.save_pretrained(root / kind, max_shard_size="150KB")
-        out[kind] = (root / kind, torch_logits(model, TOKENS))
+    out = save_hf_models(root, tiny_hf, KINDS, TOKENS, max_shard_size="150KB")
     assert (root / "llama" / "model.safetensors.index.json").is_file()
     return out
 
@@ -98,32 +87,12 @@ def config_for(path: Path, mesh: MeshConfig, **train_changes) -> Config:
         **train_changes))
 
 
-def sharded_logits(setup, params: nnx.State, tokens: np.ndarray) -> np.ndarray:
-    """The forward pass as training runs it: jitted, activations pinned by the rules."""
-    def forward(params: nnx.State, tokens_bt: jax.Array) -> jax.Array:
-        with activation_rules(setup.mesh, setup.rules):
-            return nnx.merge(setup.graphdef, params)(tokens_bt)
-
-    return np.asarray(jax.jit(forward)(params, jax.device_put(tokens, setup.batch_sharding)))
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_one_device_logits_and_round_trip(saved, kind, tmp_path):
     path, reference = saved[kind]
     model = hf.from_pretrained(path)
     assert len(model.embed.w_vd.get_value().devices()) == 1
-    forward = nnx.jit(lambda m, x: m(x))
-    np.testing.assert_allclose(np.asarray(forward(model, TOKENS)), reference, rtol=0, atol=TOL)
-    # Round trip on changed weights: shardlib -> save_pretrained -> transformers.
-    rng = np.random.default_rng(1)
-    nnx.update(model, jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape, np.float32),
-                                   nnx.state(model, nnx.Param)))
-    hf.save_pretrained(model, tmp_path / "out")
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(loaded).__name__ == hf.to_hf_config(model.cfg)["architectures"][0]
-    ours = np.asarray(forward(model, TOKENS))
-    assert np.abs(ours - reference).max() > 100 * TOL  # the change is visible
-    np.testing.assert_allclose(torch_logits(loaded, TOKENS), ours, rtol=0, atol=TOL)
+    assert_hf_round_trip(model, reference, TOKENS, tmp_path / "out", TOL)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -184,17 +153,7 @@ def test_finetune_init_from_then_export_hf(saved, tmp_path):
     config = dataclasses.replace(config, checkpoint=CheckpointConfig(dir=str(tmp_path / "c"),
                                                                      every=0))
     result = train(config, devices=jax.devices()[:1])
-    batches, _ = data_lib.make_batches("synthetic", 8, 32, 0)
-    batch = batches.rows(0)
-    expected = torch.nn.functional.cross_entropy(
-        torch.tensor(torch_logits(tiny_hf("llama"), batch[:, :-1])).reshape(-1, 256),
-        torch.tensor(batch[:, 1:], dtype=torch.long).reshape(-1))
-    assert result.history[0]["loss"] == pytest.approx(float(expected), rel=1e-5)
-    assert main(["export", "--format", "hf", "--checkpoint-dir", str(tmp_path / "c"),
-                 "--out", str(tmp_path / "hf")]) == 0
-    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    ours = sharded_logits(result.setup, result.state.params, TOKENS)
-    np.testing.assert_allclose(torch_logits(loaded, TOKENS), ours, rtol=0, atol=TOL)
+    assert_finetune_exports(result, tiny_hf("llama"), tmp_path / "c", tmp_path / "hf")
 
 
 def copy_without(src: Path, dst: Path, drop: str = "", reshape: str = "") -> Path:

@@ -9,10 +9,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -23,15 +21,19 @@ from shardlib.config import CheckpointConfig, Config, MeshConfig, TrainConfig  #
 from shardlib.errors import ConfigError  # noqa: E402
 from shardlib.interop import hf  # noqa: E402
 from shardlib.run.loop import train  # noqa: E402
-from shardlib.sharding import activation_rules  # noqa: E402
 from shardlib.train.state import build_setup  # noqa: E402
+from tests.helpers import HF_SHAPE as SHAPE  # noqa: E402
+from tests.helpers import HF_TOKENS as TOKENS  # noqa: E402
+from tests.helpers import HF_TOL as TOL  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    assert_finetune_exports,
+    assert_hf_round_trip,
+    perturbed_hf,
+    save_hf_models,
+    sharded_logits,
+)
 
-TOL = 1e-4  # max |logit difference|; logits are O(1-10) with initializer_range 0.2
-TOKENS = np.random.default_rng(0).integers(0, 256, (8, 32)).astype(np.int32)
 KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
-             initializer_range=0.2)
 
 
 def tiny_hf(kind: str):
@@ -53,30 +55,13 @@ def tiny_hf(kind: str):
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **SHAPE, head_dim=32, num_experts=8, num_experts_per_tok=2,
             moe_intermediate_size=32, norm_topk_prob=True))
-    with torch.no_grad():  # biases start at zero, norm weights at one: make them matter
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.2)
-            if name.endswith("_norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return model.eval()
-
-
-def torch_logits(model, tokens: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    return perturbed_hf(model)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """{kind: (directory, reference logits)}."""
-    root = tmp_path_factory.mktemp("hf_moe")
-    out = {}
-    for kind in KINDS:
-        model = tiny_hf(kind)
-        model.save_pretrained(root / kind)
-        out[kind] = (root / kind, torch_logits(model, TOKENS))
-    return out
+    return save_hf_models(tmp_path_factory.mktemp("hf_moe"), tiny_hf, KINDS, TOKENS)
 
 
 def test_configs_map_to_the_moe_fields(saved):
@@ -95,19 +80,7 @@ def test_configs_map_to_the_moe_fields(saved):
 @pytest.mark.parametrize("kind", KINDS)
 def test_one_device_logits_and_round_trip(saved, kind, tmp_path):
     path, reference = saved[kind]
-    model = hf.from_pretrained(path)
-    forward = nnx.jit(lambda m, x: m(x))
-    np.testing.assert_allclose(np.asarray(forward(model, TOKENS)), reference, rtol=0, atol=TOL)
-    # Round trip on changed weights: shardlib -> save_pretrained -> transformers.
-    rng = np.random.default_rng(1)
-    nnx.update(model, jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape, np.float32),
-                                   nnx.state(model, nnx.Param)))
-    hf.save_pretrained(model, tmp_path / "out")
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert type(loaded).__name__ == hf.to_hf_config(model.cfg)["architectures"][0]
-    ours = np.asarray(forward(model, TOKENS))
-    assert np.abs(ours - reference).max() > 100 * TOL  # the change is visible
-    np.testing.assert_allclose(torch_logits(loaded, TOKENS), ours, rtol=0, atol=TOL)
+    assert_hf_round_trip(hf.from_pretrained(path), reference, TOKENS, tmp_path / "out", TOL)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -123,13 +96,8 @@ def test_sharded_logits_data2_expert4(saved, kind):
     w_in = params["blocks"]["moe"]["mlp"]["w_in_edf"].get_value()  # (G, E, d, f)
     experts = setup.config.model.num_experts
     assert {s.data.shape[1] for s in w_in.addressable_shards} == {experts // 4}
-
-    def forward(params: nnx.State, tokens_bt: jax.Array) -> jax.Array:
-        with activation_rules(setup.mesh, setup.rules):
-            return nnx.merge(setup.graphdef, params)(tokens_bt)
-
-    logits = jax.jit(forward)(params, jax.device_put(TOKENS, setup.batch_sharding))
-    np.testing.assert_allclose(np.asarray(logits), reference, rtol=0, atol=TOL)
+    np.testing.assert_allclose(sharded_logits(setup, params, TOKENS), reference, rtol=0,
+                               atol=TOL)
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
@@ -188,19 +156,4 @@ def test_finetune_on_expert_mesh_then_export_hf(saved, tmp_path):
                                       eval_every=0, sample_tokens=0, init_from=str(path)),
                     checkpoint=CheckpointConfig(dir=str(tmp_path / "c"), every=0))
     result = train(config)
-    batch = data_lib.make_batches("synthetic", 8, 32, 0)[0].rows(0)
-    expected = torch.nn.functional.cross_entropy(
-        torch.tensor(torch_logits(tiny_hf("qwen2_moe"), batch[:, :-1])).reshape(-1, 256),
-        torch.tensor(batch[:, 1:], dtype=torch.long).reshape(-1))
-    assert result.history[0]["loss"] == pytest.approx(float(expected), rel=1e-5)
-    assert main(["export", "--format", "hf", "--checkpoint-dir", str(tmp_path / "c"),
-                 "--out", str(tmp_path / "hf")]) == 0
-    loaded = transformers.Qwen2MoeForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    setup, params = result.setup, result.state.params
-
-    def forward(params: nnx.State, tokens_bt: jax.Array) -> jax.Array:
-        with activation_rules(setup.mesh, setup.rules):
-            return nnx.merge(setup.graphdef, params)(tokens_bt)
-
-    ours = np.asarray(jax.jit(forward)(params, jax.device_put(TOKENS, setup.batch_sharding)))
-    np.testing.assert_allclose(torch_logits(loaded, TOKENS), ours, rtol=0, atol=TOL)
+    assert_finetune_exports(result, tiny_hf("qwen2_moe"), tmp_path / "c", tmp_path / "hf")

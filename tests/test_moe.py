@@ -18,10 +18,11 @@ from shardlib import data as data_lib
 from shardlib.analysis.hlo import parse_collectives
 from shardlib.analysis.theory import comm_terms, param_counts
 from shardlib.config import MeshConfig, ModelConfig
-from shardlib.errors import ConfigError
+from shardlib.errors import ConfigError, ShardingError
 from shardlib.mesh import make_mesh
 from shardlib.models import count_params
 from shardlib.models.moe import MoEMLP, capacity, route
+from shardlib.parallel.moe import token_plan
 from shardlib.sharding import activation_rules, logical_to_spec, make_rules
 from shardlib.train.state import build_setup, init_state, named_tree, param_specs
 from shardlib.train.step import make_train_step
@@ -273,6 +274,21 @@ def test_param_counts_theory_matches_moe_model():
 def test_bad_moe_configs_are_clear(mesh, changes, needle):
     with pytest.raises(ConfigError, match=needle):
         build_setup(tiny_config(mesh, **changes))
+
+
+def test_token_plan_checks_the_batch_and_hidden_axes():
+    """The plan both expert paths (capacity and dropless) open with: weights replicated over
+    ``data`` marked for its reduction, and the two rule mistakes it names."""
+    degrees = {"data": 2, "expert": 2, "fsdp": 2}
+    mesh = make_mesh(degrees)
+    rules = make_rules(MeshConfig(**degrees), degrees)
+    plan = token_plan(mesh, rules)
+    assert set(plan.batch) == {"data", "expert", "fsdp"} and plan.replica_axes == ("data",)
+    assert plan.hidden_axes == () and plan.in_gathers == [(1, ("fsdp",))]
+    with pytest.raises(ShardingError, match="rule act_batch=data\\+fsdp: .* add expert"):
+        token_plan(mesh, {**rules, "act_batch": ("data", "fsdp")})
+    with pytest.raises(ShardingError, match="act_batch and mlp share mesh axes"):
+        token_plan(mesh, {**rules, "mlp": ("data",)})
 
 
 def test_dropless_all_to_alls_match_theory():

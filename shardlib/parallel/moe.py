@@ -88,28 +88,49 @@ def weight_plan(logical: tuple[str, ...], rules: Rules,
     return spec, gathers
 
 
+class TokenPlan(NamedTuple):
+    """How an MoE layer's expert shard_map splits its token rows and expert weights."""
+
+    batch: tuple[str, ...]  # mesh axes of the token rows (rule act_batch)
+    in_spec: PartitionSpec  # w_in_edf's (and w_gate_edf's) spec
+    out_spec: PartitionSpec  # w_out_efd's spec
+    in_gathers: list[tuple[int, tuple]]  # all-gathers making w_in whole but KEEP_SPLIT
+    out_gathers: list[tuple[int, tuple]]
+    hidden_axes: tuple[str, ...]  # the experts' hidden dim split here: outputs summed
+    replica_axes: tuple[str, ...]  # batch axes that replicate the weights (data)
+
+
+def token_plan(mesh: Mesh, rules: Rules) -> TokenPlan:
+    """The batch axes and both weights' plans, checked: with ``expert`` > 1 the batch must
+    be split over ``expert`` too, and never over the axes of the experts' hidden dim."""
+    sizes = dict(mesh.shape)
+    batch = _axes(logical_to_spec(("act_batch",), rules, sizes, name="moe tokens")[0])
+    if sizes.get("expert", 1) > 1 and "expert" not in batch:
+        raise ShardingError(f"rule act_batch={'+'.join(batch) or 'none'}: expert parallelism "
+                            "needs the batch split over the expert axis too; add expert")
+    in_spec, in_gathers = weight_plan(W_IN_DIMS, rules, sizes)
+    out_spec, out_gathers = weight_plan(W_OUT_DIMS, rules, sizes)
+    hidden_axes = _axes(in_spec[2])
+    if set(batch) & set(hidden_axes):
+        raise ShardingError(f"rules act_batch and mlp share mesh axes {hidden_axes}; "
+                            "split the batch and the experts' hidden dim over different axes")
+    weight_axes = {a for entry in in_spec for a in _axes(entry)}
+    return TokenPlan(batch, in_spec, out_spec, in_gathers, out_gathers, hidden_axes,
+                     tuple(a for a in batch if a not in weight_axes))
+
+
 def expert_parallel_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array,
                         w_gate_edf: jax.Array | None = None, *, mesh: Mesh, rules: Rules,
                         activation: str = "gelu_tanh") -> jax.Array:
     """``local_ffn`` with the experts split over ``expert``: all-to-all the capacity
     buffers to the experts' devices, run them, all-to-all the outputs back."""
-    sizes = dict(mesh.shape)
-    batch = _axes(logical_to_spec(("act_batch",), rules, sizes, name="moe tokens")[0])
-    if "expert" not in batch:
-        raise ShardingError(f"rule act_batch={'+'.join(batch) or 'none'}: expert parallelism "
-                            "needs the batch split over the expert axis too; add expert")
-    in_spec, in_gathers = weight_plan(W_IN_DIMS, rules, sizes)
-    out_spec, out_gathers = weight_plan(W_OUT_DIMS, rules, sizes)
-    if set(batch) & set(_axes(in_spec[2])):
-        raise ShardingError(f"rules act_batch and mlp share mesh axes {_axes(in_spec[2])}; "
-                            "split the batch and the experts' hidden dim over different axes")
-    x_spec = PartitionSpec(batch if len(batch) > 1 else batch[0])
-    weight_axes = {a for entry in in_spec for a in _axes(entry)}
-    body = partial(_local_experts, in_gathers=in_gathers, out_gathers=out_gathers,
-                   hidden_axes=_axes(in_spec[2]), activation=activation,
-                   replica_axes=tuple(a for a in batch if a not in weight_axes))
+    plan = token_plan(mesh, rules)
+    x_spec = PartitionSpec(plan.batch if len(plan.batch) > 1 else plan.batch[0])
+    body = partial(_local_experts, in_gathers=plan.in_gathers, out_gathers=plan.out_gathers,
+                   hidden_axes=plan.hidden_axes, activation=activation,
+                   replica_axes=plan.replica_axes)
     gate = () if w_gate_edf is None else (w_gate_edf,)  # the gate is split as w_in
-    in_specs = (x_spec, in_spec, out_spec, *(in_spec for _ in gate))
+    in_specs = (x_spec, plan.in_spec, plan.out_spec, *(plan.in_spec for _ in gate))
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs,
                          out_specs=x_spec)(x_becd, w_in_edf, w_out_efd, *gate)
 
@@ -168,25 +189,16 @@ def dropless_parallel_ffn(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: j
                           rules: Rules) -> jax.Array:
     """``local`` per device over its rows, the experts' weights split as the expert path
     keeps them (``weight_plan``); the rows all-to-all'd over ``expert`` when it is > 1."""
-    sizes = dict(mesh.shape)
-    batch = _axes(logical_to_spec(("act_batch",), rules, sizes, name="moe tokens")[0])
-    if sizes.get("expert", 1) > 1 and "expert" not in batch:
-        raise ShardingError(f"rule act_batch={'+'.join(batch) or 'none'}: expert parallelism "
-                            "needs the batch split over the expert axis too; add expert")
-    in_spec, in_gathers = weight_plan(W_IN_DIMS, rules, sizes)
-    out_spec, out_gathers = weight_plan(W_OUT_DIMS, rules, sizes)
-    if set(batch) & set(_axes(in_spec[2])):
-        raise ShardingError(f"rules act_batch and mlp share mesh axes {_axes(in_spec[2])}; "
-                            "split the batch and the experts' hidden dim over different axes")
+    plan = token_plan(mesh, rules)
     gated = w_gate_edf is not None
     weights = (w_in_edf, w_out_efd) + ((w_gate_edf,) if gated else ())
-    x_spec = PartitionSpec(batch or None)
-    weight_axes = {a for entry in in_spec for a in _axes(entry)}
-    body = partial(_dropless_local, gathers=(in_gathers, out_gathers) + ((in_gathers,) * gated),
-                   hidden_axes=_axes(in_spec[2]), activation=activation, local=local,
-                   replica_axes=tuple(a for a in batch if a not in weight_axes),
-                   expert_parallel=sizes.get("expert", 1) > 1, platform=compute_platform())
-    specs = (x_spec,) * 3 + (in_spec, out_spec) + ((in_spec,) * gated)
+    x_spec = PartitionSpec(plan.batch or None)
+    gathers = (plan.in_gathers, plan.out_gathers) + ((plan.in_gathers,) * gated)
+    body = partial(_dropless_local, gathers=gathers, hidden_axes=plan.hidden_axes,
+                   activation=activation, local=local, replica_axes=plan.replica_axes,
+                   expert_parallel=mesh.shape.get("expert", 1) > 1,
+                   platform=compute_platform())
+    specs = (x_spec,) * 3 + (plan.in_spec, plan.out_spec) + ((plan.in_spec,) * gated)
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=x_spec)(
         x_btd, experts_btk, gates_btk, *weights)
 
