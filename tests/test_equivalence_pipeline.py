@@ -55,6 +55,13 @@ def test_pipeline_composition_matches_single_device(name, reference):
     assert_like_one_device(got, reference)
 
 
+def test_pipeline_loss_chunks_match_single_device(reference):
+    """``model.loss_chunks=4`` on the last stage (vocab-parallel, SP rows gathered per
+    slice): the same losses and parameters as one device with the whole-sequence head."""
+    mesh, _ = MESHES["pipeline=2,tensor=2,fsdp=2,sp"]
+    assert_like_one_device(run_steps(tiny_config(mesh, loss_chunks=4)), reference)
+
+
 def test_pipeline_with_grad_accum_matches_single_device(reference):
     """``train.grad_accum=2``: two pipeline flushes per step, their gradients averaged."""
     config = tiny_config(MeshConfig(data=2, pipeline=2, tensor=2))

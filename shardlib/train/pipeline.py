@@ -424,7 +424,8 @@ def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, 
     table_tpc = tables(schedule) if table_tpc is None else table_tpc
     per_layer = sizes.get("fsdp", 1) > 1 and config.mesh.reshard_after_forward
     stage = Stage(setup.graphdef, setup.policy, config.model.remat, gathers=per_layer,
-                  moe=config.model if config.model.num_experts else None, keep=schedule.kept)
+                  moe=config.model if config.model.num_experts else None, keep=schedule.kept,
+                  loss_chunks=config.model.loss_chunks)
     specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
     count = schedule.microbatches
     shards = batch_shards(sizes) * sizes.get(SEQ_AXIS, 1)  # the loss is a mean over these

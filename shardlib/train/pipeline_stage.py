@@ -29,7 +29,7 @@ from shardlib.models.attention import packed_documents
 from shardlib.models.gpt import gather_outside_layers
 from shardlib.models.layers import layer_body, remat, scan_layers
 from shardlib.models.moe import MoEStats, moe_objective, num_moe_layers, run_groups
-from shardlib.parallel import tensor
+from shardlib.train.objective import head_losses
 from shardlib.train.setup import TrainSetup
 
 # one microbatch: "inputs", "targets" (b, T) and, when packed, "segment_ids", "positions"
@@ -70,6 +70,7 @@ class Stage:
     gathers: bool = False  # weights arrive as fsdp shards; the gather hook casts them
     moe: ModelConfig | None = None  # an MoE model's config: its layers return router stats
     keep: bool = False  # pipeline.remat=keep: tapes outlive the tick, so no weights in them
+    loss_chunks: int = 1  # model.loss_chunks: the head and loss over slices of the sequence
 
     def cast(self, params: nnx.State) -> nnx.State:
         """Parameters in the compute dtype (the gather hook casts when ``gathers``)."""
@@ -216,8 +217,8 @@ class Stage:
 
         def head_loss(r: nnx.State, y_btd: jax.Array) -> jax.Array:
             def loss() -> jax.Array:
-                logits_btv = self._outside(params, r).head(y_btd).astype(self.policy.output)
-                losses_bt = tensor.cross_entropy(logits_btv, mb["targets"])  # vocab-parallel
+                losses_bt = head_losses(self._outside(params, r), y_btd, mb["targets"],
+                                        self.policy.output, self.loss_chunks)  # vocab-parallel
                 return jnp.mean(losses_bt).astype(jnp.float32)
             return jax.lax.cond(is_last, loss, lambda: jnp.zeros((), jnp.float32))
 
