@@ -36,7 +36,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # this checkout's shardlib, not an installed copy
 
 from shardlib import config as config_lib  # noqa: E402
-from shardlib.cli import FLAG_FIELDS, build_parser  # noqa: E402
+from shardlib.cli import build_parser  # noqa: E402
+from shardlib.cli.args import FLAG_FIELDS  # noqa: E402
 
 log = logging.getLogger("mkdocs.hooks.reference")
 RESULTS = ROOT / "experiments" / "results"

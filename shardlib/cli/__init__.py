@@ -9,15 +9,13 @@ Each subcommand imports what it runs inside its function, after the devices are 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import re
 import sys
 import warnings
 from collections.abc import Sequence
 
+from shardlib.cli.args import config_from_args, join_negative_values
 from shardlib.cli.defaults import DEFAULT_CPU_DEVICES
-from shardlib.config import Config, apply_overrides, parse_mesh
-from shardlib.config_check import check_ranges
+from shardlib.config import Config
 from shardlib.errors import ConfigError, ShardlibError, Terminated
 
 
@@ -170,51 +168,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "GPT-2/Llama save_pretrained directory that transformers loads")
     add_generate_parser(sub)
     return parser
-
-
-FLAG_FIELDS = {  # CLI flag (argparse dest) -> (config section, field)
-    "steps": ("train", "steps"), "batch_size": ("train", "batch_size"),
-    "seq_len": ("train", "seq_len"), "seed": ("train", "seed"), "data": ("train", "data"),
-    "eval_every": ("train", "eval_every"), "log_every": ("train", "log_every"),
-    "metrics_file": ("train", "metrics_file"), "grad_accum": ("train", "grad_accum"),
-    "tensorboard_dir": ("train", "tensorboard_dir"), "profile_steps": ("train", "profile_steps"),
-    "lr": ("optim", "lr"), "precision": ("precision", "policy"), "zero": ("mesh", "zero"),
-    "remat": ("model", "remat"), "init_from": ("train", "init_from"),
-    "checkpoint_dir": ("checkpoint", "dir"), "checkpoint_every": ("checkpoint", "every"),
-    "keep": ("checkpoint", "keep"), "resume": ("checkpoint", "resume"),
-    "tokenizer": ("data", "tokenizer"),
-    "hang_timeout": ("train", "hang_timeout_s"), "on_nonfinite": ("train", "on_nonfinite"),
-    "skip_batches": ("train", "skip_batches"),
-    "lr_scale_on_resume": ("train", "lr_scale_on_resume"),
-    "compile_cache": ("train", "compile_cache"),
-}
-
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    """Preset, then flags, then ``--set`` overrides (which win)."""
-    from shardlib.models import get_preset
-    from shardlib.sharding import parse_rule
-
-    if getattr(args, "init_from", None):
-        from shardlib.interop.hf import load_config
-        model = load_config(args.init_from)
-    else:
-        model = get_preset(args.model)
-    config = Config(model=model, rules=tuple(parse_rule(r) for r in args.rules))
-    if args.mesh:
-        config = dataclasses.replace(config, mesh=parse_mesh(args.mesh))
-    for flag, (section, field) in FLAG_FIELDS.items():
-        value = getattr(args, flag, None)
-        if value is not None:
-            part = dataclasses.replace(getattr(config, section), **{field: value})
-            config = dataclasses.replace(config, **{section: part})
-    config = apply_overrides(config, args.overrides)
-    check_ranges(config, {f"{section}.{field}": "--" + flag.replace("_", "-")
-                          for flag, (section, field) in FLAG_FIELDS.items()})
-    if args.command == "train":
-        from shardlib.cli.data import fit_vocab
-        config = fit_vocab(config, args.overrides, quiet=bool(args.process_id))
-    return config
 
 
 def setup_devices(count: int | None, processes: int = 1):
@@ -380,24 +333,6 @@ COMMANDS = {"train": run_train, "inspect": run_inspect, "export": run_export,
 def _format_warning(message, category, filename, lineno, line=None) -> str:
     """One line per warning (``shardlib: warning: ...``), no source location."""
     return f"shardlib: warning: {message}\n"
-
-
-NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.IGNORECASE)
-
-
-def join_negative_values(argv: Sequence[str]) -> list[str]:
-    """``--lr -1e-3`` -> ``--lr=-1e-3``: argparse takes a negative number in scientific
-    notation for a flag; joined to the flag before it, it is that flag's value."""
-    out: list[str] = []
-    for index, arg in enumerate(argv):
-        if arg == "--":  # the rest belongs to another command (launch -- train ...)
-            return out + list(argv[index:])
-        if out and NEGATIVE_NUMBER.fullmatch(arg) and out[-1].startswith("--") \
-                and "=" not in out[-1]:
-            out[-1] = f"{out[-1]}={arg}"
-        else:
-            out.append(arg)
-    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
