@@ -11,6 +11,8 @@ without sequence parallelism. A mesh the config check refuses records the Config
 message. Writes ``experiments/results/composition_matrix.csv``.
 
     python3 experiments/composition_matrix.py [--only dense|moe] [--steps 3]
+
+``--only`` reruns one model's 20 rows and keeps the other model's rows of the CSV.
 """
 
 from __future__ import annotations
@@ -111,9 +113,12 @@ def main() -> None:
     models = [m for m in (False, True) if args.only in (None, "moe" if m else "dense")]
     meshes = list(itertools.combinations(AXES, 3))
     OUT.parent.mkdir(exist_ok=True)
+    kept = [row for row in csv.DictReader(OUT.open()) if row["model"] != args.only] \
+        if args.only and OUT.exists() else []
     with OUT.open("w", newline="") as f:
         writer = csv.DictWriter(f, FIELDS)
         writer.writeheader()
+        writer.writerows(row for row in kept if row["model"] == "dense")
         for moe in models:
             reference = train(make_config((), moe, args.steps), 1)
             for axes in meshes:
@@ -123,6 +128,7 @@ def main() -> None:
                 print(f"{row['model']:5s} {row['mesh']:32s} {row['status']:8s} "
                       f"{row.get('loss_rel_err', '')} {row.get('param_rel_err', '')} "
                       f"{row['reason'][:100]}", flush=True)
+        writer.writerows(row for row in kept if row["model"] == "moe")
     rows = list(csv.DictReader(OUT.open()))
     print(f"{sum(r['status'] == 'ok' for r in rows)} of {len(rows)} train like one device")
 

@@ -13,12 +13,13 @@ remat policy (``weights_policy``) can drop it after forward and gather it again 
 backward (``reshard_after_forward``, torchtitan's name), or keep it.
 
 Layer hooks (``enter_region``, ``exit_region``, ``sequence_rows``, ``vocab_lookup``,
-``attention``, ``expert_ffn``, ``dropless_ffn``): the places where Megatron TP/SP, context
-parallelism and expert parallelism act inside a layer. Each is the plain computation until
-``shardlib.parallel`` installs its strategy (``install_layer_hooks``, once, on import);
-the installed function is itself the plain computation unless its strategy is active
-for the trace (``parallel.tensor.manual_tensor``, ``parallel.context.context_parallel``,
-an ``expert`` axis in the active rules).
+``attention``, ``expert_ffn``, ``dropless_ffn``, ``row_mean``): the places where Megatron
+TP/SP, context parallelism and expert parallelism act inside a layer. Each is the plain
+computation until ``shardlib.parallel`` installs its strategy (``install_layer_hooks``,
+once, on import); the installed function is itself the plain computation unless its
+strategy is active for the trace (``parallel.tensor.manual_tensor``,
+``parallel.context.context_parallel``, an ``expert`` axis in the active rules, the
+pipeline's ``parallel.moe_manual.manual_experts``).
 """
 
 from __future__ import annotations
@@ -187,5 +188,13 @@ def dropless_ffn(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: jax.Array,
     return fn(*args, activation=activation, local=local)
 
 
+def row_mean(x_b: jax.Array) -> jax.Array:
+    """A mean over each row's tokens on hand (leading dim: rows) -> the mean over the
+    whole row (plain: itself; a strategy that gives a device a slice of every row, as
+    the pipeline's context and sequence parallelism do, averages over the slices)."""
+    fn = _LAYER.get("row_mean")
+    return x_b if fn is None else fn(x_b)
+
+
 LAYER_HOOKS = frozenset({"enter_region", "exit_region", "sequence_rows", "vocab_lookup",
-                         "attention", "expert_ffn", "dropless_ffn"})
+                         "attention", "expert_ffn", "dropless_ffn", "row_mean"})

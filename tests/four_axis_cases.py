@@ -47,6 +47,9 @@ def case_config(mesh: MeshConfig, method: str, moe: bool) -> Config:
     """The fp32 tiny run of ``tests.helpers`` on ``mesh``; the moe-tiny preset if ``moe``."""
     config = dataclasses.replace(tiny_config(mesh, steps=STEPS),
                                  attention=AttentionConfig(context_parallel=method))
+    shards = mesh.data * mesh.fsdp * mesh.expert  # 2 microbatches on each batch shard
+    config = dataclasses.replace(config, train=dataclasses.replace(
+        config.train, batch_size=max(config.train.batch_size, 2 * shards)))
     return dataclasses.replace(config, model=get_preset("moe-tiny")) if moe else config
 
 
@@ -64,7 +67,7 @@ def measure(config: Config, want: tuple) -> dict:
 
 def main() -> None:
     """Run the cases that take exactly this process's devices; print their results."""
-    references: dict[bool, tuple] = {}
+    references: dict[tuple[bool, int], tuple] = {}  # (MoE, batch size): one-device run
     results = {}
     for name, (mesh, method, moe) in CASES.items():
         if mesh_devices(mesh) != jax.device_count():
@@ -75,9 +78,12 @@ def main() -> None:
         except ConfigError as error:
             results[name] = {"refused": str(error)}
             continue
-        if moe not in references:
-            references[moe] = run_steps(case_config(MeshConfig(data=1), "none", moe), 1)
-        results[name] = measure(config, references[moe])
+        key = (moe, config.train.batch_size)
+        if key not in references:
+            one = case_config(MeshConfig(data=1), "none", moe)
+            one = dataclasses.replace(one, train=config.train)
+            references[key] = run_steps(one, 1)
+        results[name] = measure(config, references[key])
     print(json.dumps(results))
 
 

@@ -30,6 +30,8 @@ CASES: dict[str, tuple[MeshConfig, dict]] = {
     "pp_tp_accum": (MeshConfig(data=2, pipeline=2, tensor=2), {}),
     "pp_tp_zb": (MeshConfig(data=2, pipeline=2, tensor=2), {}),
     "pp_tp_keep": (MeshConfig(data=2, pipeline=2, tensor=2), {}),
+    "pp_ep_tp": (MeshConfig(data=1, pipeline=2, expert=2, tensor=2),  # dropless MoE
+                 {"num_experts": 4, "moe_every": 1, "moe_top_k": 2}),
 }
 EXTRA: dict[str, Callable[[Config], Config]] = {  # the pipeline cases' other settings
     "pp_interleaved": lambda c: dataclasses.replace(

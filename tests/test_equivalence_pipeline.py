@@ -105,24 +105,70 @@ def test_interleaved_composes_with_tensor_and_sequence():
 MOE = {"num_experts": 4, "moe_every": 1, "moe_top_k": 2, "moe_z_weight": 0.01}
 
 
-@pytest.mark.slow  # ~90 s on 2 busy cores: its own one-device MoE reference
-def test_pipelined_moe_matches_single_device():
+@pytest.fixture(scope="module")
+def moe_reference() -> tuple[tuple, list[dict]]:
+    """The tiny MoE model (dropless) on one device: its run and its metrics per step."""
+    history: list[dict] = []
+    return run_steps(tiny_config(MeshConfig(data=1), **MOE), 1, history=history), history
+
+
+def assert_moe_like_one_device(config: Config, want: tuple, want_history: list[dict]) -> None:
+    """Losses, parameters and the summed router metrics of ``config`` as one device's."""
+    history: list[dict] = []
+    got = run_steps(config, history=history)
+    assert got[2].mesh.devices.size == 8
+    assert_like_one_device(got, want)
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped_frac"):
+        np.testing.assert_allclose([h[key] for h in history], [h[key] for h in want_history],
+                                   rtol=TOL, err_msg=key)
+
+
+MOE_MESHES = {  # name: (mesh, attention.context_parallel)
+    "data=2,fsdp=2,pipeline=2": (MeshConfig(data=2, fsdp=2, pipeline=2), "none"),
+    "data=2,pipeline=2,expert=2": (MeshConfig(data=2, pipeline=2, expert=2), "none"),
+    "data=2,pipeline=2,tensor=2": (MeshConfig(data=2, pipeline=2, tensor=2), "none"),
+    "data=2,pipeline=2,tensor=2,sp": (MeshConfig(data=2, pipeline=2, tensor=2,
+                                                 sequence_parallel=True), "none"),
+    "data=2,pipeline=2,sequence=2,ulysses": (MeshConfig(data=2, pipeline=2, sequence=2),
+                                             "ulysses"),
+}
+
+
+@pytest.mark.slow  # ~25 s each on 2 busy cores, plus the shared one-device MoE reference
+@pytest.mark.parametrize("name", list(MOE_MESHES))
+def test_pipelined_moe_matches_single_device(name, moe_reference):
     """An MoE layer per stage: each stage adds its layers' share of the router losses
     (mean over the model's MoE layers) to the objective it differentiates, so the router
-    weights, the losses and the summed router metrics match one device; also with
-    ``pipeline.remat=keep`` (the router stats ride in the tape)."""
-    want_history = []
-    want = run_steps(tiny_config(MeshConfig(data=1), **MOE), 1, history=want_history)
+    weights, the losses and the summed router metrics match one device. With
+    ``expert=2`` each device routes its own rows and the all-to-all over ``expert`` runs
+    inside the stage (the stages' shard_map is manual over every axis); with ``tensor=2``
+    the experts' hidden dim is split between Megatron's f and g, as the dense MLP's; under
+    SP or ``sequence`` a device holds a slice of every row, and the router statistics
+    average the slices' means before the load-balancing product."""
+    mesh, method = MOE_MESHES[name]
+    config = dataclasses.replace(tiny_config(mesh, **MOE),
+                                 attention=AttentionConfig(context_parallel=method))
+    assert_moe_like_one_device(config, *moe_reference)
+
+
+@pytest.mark.slow  # ~45 s: its own one-device reference with capacity dispatch
+def test_pipelined_expert_parallel_capacity_matches_single_device():
+    """Capacity dispatch (tokens dropped past each expert's slots, per row) of gated experts
+    split over ``expert`` and their hidden dim over ``tensor`` inside the stages."""
+    moe = {**MOE, "moe_dispatch": "capacity", "mlp": "gated"}
+    history: list[dict] = []
+    want = run_steps(tiny_config(MeshConfig(data=1), **moe), 1, history=history)
+    config = tiny_config(MeshConfig(data=1, pipeline=2, expert=2, tensor=2), **moe)
+    assert_moe_like_one_device(config, want, history)
+    assert max(h["moe_dropped_frac"] for h in history) > 0  # capacity really dropped some
+
+@pytest.mark.slow  # ~25 s on 2 busy cores, plus the shared one-device MoE reference
+def test_pipelined_moe_with_kept_residuals_matches_single_device(moe_reference):
+    """``pipeline.remat=keep``: the router stats ride in the tape, so the router losses
+    and metrics still sum over the stages as one device's."""
     config = tiny_config(MeshConfig(data=2, fsdp=2, pipeline=2), **MOE)
-    for remat in ("recompute", "keep"):
-        got_history = []
-        got = run_steps(dataclasses.replace(config, pipeline=PipelineConfig(remat=remat)),
-                        history=got_history)
-        assert_like_one_device(got, want)
-        for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped_frac"):
-            np.testing.assert_allclose([h[key] for h in got_history],
-                                       [h[key] for h in want_history], rtol=TOL,
-                                       err_msg=f"{key}, {remat}")
+    assert_moe_like_one_device(dataclasses.replace(config, pipeline=PipelineConfig(remat="keep")),
+                               *moe_reference)
 
 
 @pytest.mark.slow  # ~60 s: its own 4-layer one-device MoE reference
@@ -173,12 +219,17 @@ def test_pipeline_refuses_ring_and_partitioner_attention(method):
         build_setup(config)
 
 
-@pytest.mark.parametrize("mesh", [MeshConfig(data=2, pipeline=2, expert=2),
-                                  MeshConfig(data=2, pipeline=2, tensor=2)])
-def test_pipelined_moe_refuses_expert_and_tensor(mesh):
-    with pytest.raises(ConfigError, match="num_experts=4 with pipeline=2 and (expert|tensor)"
-                                          "=2.*use data or fsdp beside pipeline"):
-        build_setup(tiny_config(mesh, **MOE))
+@pytest.mark.parametrize("mesh, method, sliced", [
+    (MeshConfig(data=2, pipeline=2, sequence=2), "ulysses", "sequence=2"),
+    (MeshConfig(data=2, pipeline=2, tensor=2, sequence_parallel=True), "none",
+     "tensor=2 with mesh.sequence_parallel"),
+])
+def test_pipelined_capacity_refuses_rows_in_slices(mesh, method, sliced):
+    config = dataclasses.replace(tiny_config(mesh, **MOE, moe_dispatch="capacity"),
+                                 attention=AttentionConfig(context_parallel=method))
+    with pytest.raises(ConfigError, match=f"moe_dispatch=capacity with pipeline=2 and "
+                                          f"{sliced}: .*use model.moe_dispatch=dropless"):
+        build_setup(config)
 
 
 @pytest.mark.parametrize("field, value", [("moe_first_dense", 1), ("moe_bias_rate", 0.01)])
@@ -252,14 +303,11 @@ def test_five_axis_mesh_matches_single_device(name, five_axis):
     assert_case_matches(five_axis[name], 32)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # ~1-2 min on 2 busy cores: the MoE reference and mesh in each process
 @pytest.mark.parametrize("num_devices", [16, 32])
-def test_many_axis_moe_mesh_is_refused_with_the_reason(num_devices, request):
+def test_many_axis_moe_mesh_matches_single_device(num_devices, request):
     """moe-tiny on pipeline=2,expert=2,fsdp=2,tensor=2 (and data=2 beside, on 32): the
-    experts' all-to-all and tensor split cannot nest in the stages' shard_map, and the
-    error says what to use instead."""
+    experts' all-to-all over expert and their tensor split run inside the stages."""
     results = request.getfixturevalue({16: "four_axis", 32: "five_axis"}[num_devices])
     (name,) = cases_on(num_devices, moe=True)
-    message = results[name].get("refused", "")
-    assert "num_experts=8 with pipeline=2 and expert=2, tensor=2" in message, results[name]
-    assert "use data or fsdp beside pipeline" in message
+    assert_case_matches(results[name], num_devices)

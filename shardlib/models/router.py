@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardlib import hooks
+
 MoEStats = dict[str, jax.Array]
 """Per MoE layer: ``aux_loss``, ``z_loss``, ``dropped_frac`` (scalars), ``load_e`` (E,)."""
 
@@ -98,9 +100,11 @@ def router_stats(logits_bte: jax.Array, probs_bte: jax.Array,
     normalised sigmoid), averaged over rows: 1 when balanced, for any k. ``z_loss``: mean squared
     log-sum-exp of the logits (ST-MoE), for either score. ``load_e``: mean of ``f_e``."""
     e = logits_bte.shape[-1]
-    load_be = jnp.mean(jnp.sum(choice_btke, axis=2), axis=1) / choice_btke.shape[2]
-    prob_be = jnp.mean(probs_bte, axis=1)
+    # means over each row's tokens (over its slices, where devices hold slices of it)
+    load_be = hooks.row_mean(jnp.mean(jnp.sum(choice_btke, axis=2), axis=1)
+                             / choice_btke.shape[2])
+    prob_be = hooks.row_mean(jnp.mean(probs_bte, axis=1))
     aux_b = e * jnp.sum(load_be * prob_be, axis=-1)
-    z_bt = jnp.square(jax.nn.logsumexp(logits_bte, axis=-1))
-    return {"aux_loss": jnp.mean(aux_b), "z_loss": jnp.mean(z_bt),
+    z_b = hooks.row_mean(jnp.mean(jnp.square(jax.nn.logsumexp(logits_bte, axis=-1)), axis=1))
+    return {"aux_loss": jnp.mean(aux_b), "z_loss": jnp.mean(z_b),
             "load_e": jnp.mean(load_be, axis=0)}

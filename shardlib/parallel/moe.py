@@ -37,6 +37,8 @@ from shardlib.errors import ShardingError
 from shardlib.models.grouped import expert_rows
 from shardlib.models.layers import ACTIVATIONS
 from shardlib.models.moe import expert_hidden, local_ffn
+from shardlib.parallel import tensor
+from shardlib.parallel.moe_manual import manual
 from shardlib.sharding import Rules, active_rules, compute_platform, logical_to_spec
 
 KEEP_SPLIT = {"expert": {"expert"}, "mlp": {"tensor"}}
@@ -44,6 +46,39 @@ KEEP_SPLIT = {"expert": {"expert"}, "mlp": {"tensor"}}
 every other split (e.g. ``embed`` over ``fsdp``) is all-gathered first."""
 W_IN_DIMS, W_OUT_DIMS = ("expert", "embed", "mlp"), ("expert", "mlp", "embed")
 Activation = Callable[[jax.Array], jax.Array]  # an expert's activation function
+
+def _manual_capacity(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array,
+                     local: Callable[..., jax.Array], w_gate_edf: jax.Array | None, *,
+                     activation: str) -> jax.Array:
+    """``expert_ffn`` under ``manual_experts``: f, this device's experts (after the
+    all-to-all when expert-parallel), g."""
+    x_becd = tensor.enter_region(x_becd)
+    if manual().expert_parallel:
+        y_becd = _local_experts(x_becd, w_in_edf, w_out_efd, w_gate_edf, in_gathers=[],
+                                out_gathers=[], hidden_axes=(), replica_axes=(),
+                                activation=activation)
+    else:
+        y_becd = local(x_becd, w_in_edf, w_out_efd, w_gate_edf, activation=activation)
+    return tensor.exit_region(y_becd)
+
+
+def _manual_dropless(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: jax.Array,
+                     w_in_edf: jax.Array, w_gate_edf: jax.Array | None, w_out_efd: jax.Array,
+                     *, activation: str, local: Callable[..., jax.Array]) -> jax.Array:
+    """``dropless_ffn`` under ``manual_experts``. Under TP f copies the rows and the gates
+    in (their gradients, partial over ``tensor`` as the hidden dim is, summed there; SP's
+    f gathers them, and the expert ids, along the sequence), the experts run on their
+    hidden slice, and g sums the partial outputs (SP: and scatters them)."""
+    x_btd, gates_btk = tensor.enter_region(x_btd), tensor.enter_region(gates_btk)
+    if tensor.mode() == "sp":
+        experts_btk = tensor.enter_region(experts_btk)
+    weights = (w_in_edf, w_out_efd) + (() if w_gate_edf is None else (w_gate_edf,))
+    y_btd = _dropless_local(x_btd, experts_btk, gates_btk, *weights,
+                            gathers=((),) * len(weights), hidden_axes=(), replica_axes=(),
+                            activation=activation, local=local,
+                            expert_parallel=manual().expert_parallel,
+                            platform=compute_platform())
+    return tensor.exit_region(y_btd)
 
 
 def expert_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array,
@@ -58,6 +93,9 @@ def expert_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array,
     """
     active = active_rules()
     inside_map = bool(jax.sharding.get_abstract_mesh().manual_axes)
+    if inside_map and manual() is not None:
+        return _manual_capacity(x_becd, w_in_edf, w_out_efd, local, w_gate_edf,
+                                activation=activation)
     if active is None or inside_map or active[0].shape.get("expert", 1) == 1:
         return local(x_becd, w_in_edf, w_out_efd, w_gate_edf, activation=activation)
     return expert_parallel_ffn(x_becd, w_in_edf, w_out_efd, w_gate_edf, mesh=active[0],
@@ -176,6 +214,8 @@ def dropless_ffn(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: jax.Array,
     args = (x_btd, experts_btk, gates_btk, w_in_edf, w_gate_edf, w_out_efd)
     active = active_rules()
     inside_map = bool(jax.sharding.get_abstract_mesh().manual_axes)
+    if inside_map and manual() is not None:
+        return _manual_dropless(*args, activation=activation, local=local)
     if active is None or inside_map or active[0].devices.size == 1:
         return local(*args, activation=activation)
     return dropless_parallel_ffn(*args, activation=activation, local=local, mesh=active[0],

@@ -30,7 +30,10 @@ Every other axis acts inside a stage as in the plain step (``train.pipeline_stag
 ``tensor`` runs Megatron TP/SP by hand (``parallel.tensor``, untyped: the step
 differentiates inside the map), ``sequence`` the local form of Ulysses or all-gather
 attention (``parallel.context``), each on this device's slice; an MoE stage adds its
-layers' share of the router losses. The batch axes (``data``, ``fsdp``) are manual too.
+layers' share of the router losses, and its experts run in place
+(``parallel.moe_manual``): split over ``expert`` with the all-to-all there, their hidden
+dim over ``tensor``. The batch axes (``data``, ``fsdp``, and ``expert``, which splits the
+batch too) are manual as well.
 
 With ``mesh.reshard_after_forward`` (the default) a stage gathers its fsdp-split weights
 one layer at a time inside every forward and backward tick (``hooks.gather_weights``), so
@@ -64,11 +67,19 @@ from shardlib.sharding import make_rules
 from shardlib.train import comm, pipeline_chunks
 from shardlib.train import pipeline_schedule as ticks
 from shardlib.train.pipeline_schedule import BWD, FWD, IDLE, SCHEDULES, Schedule, build
-from shardlib.train.pipeline_stage import Layouts, Microbatch, Parts, Stage, zero_parts
+from shardlib.train.pipeline_stage import (
+    Layouts,
+    Microbatch,
+    Parts,
+    Stage,
+    check_moe,
+    manual_experts,
+    zero_parts,
+)
 from shardlib.train.setup import TrainSetup
 
 AXIS = "pipeline"
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = ("data", "fsdp", "expert")  # expert splits the batch too (rule preset ep)
 SEQ_AXIS = "sequence"  # context parallelism: the loss is a mean over its slices too
 REMAT = ("recompute", "keep")  # pipeline.remat: what a backward tick starts from
 
@@ -79,7 +90,7 @@ def applies(sizes: Mapping[str, int]) -> bool:
 
 
 def batch_shards(sizes: Mapping[str, int]) -> int:
-    """Devices the batch is split over (``data`` x ``fsdp``)."""
+    """Devices the batch is split over (``data`` x ``fsdp`` x ``expert``)."""
     return math.prod(sizes.get(axis, 1) for axis in BATCH_AXES)
 
 
@@ -129,7 +140,7 @@ def check_pipeline(config: Config, sizes: Mapping[str, int]) -> None:
 
 def _check_support(config: Config, sizes: Mapping[str, int]) -> None:
     """Raise on what the pipeline does not combine with (yet)."""
-    _check_moe(config, sizes)
+    check_moe(config, sizes)
     if not config.model.scan_layers:
         raise ConfigError("model.scan_layers=false: pipeline stages split the stacked "
                           "layers; set model.scan_layers=true")
@@ -139,31 +150,6 @@ def _check_support(config: Config, sizes: Mapping[str, int]) -> None:
                           "defaults or use pipeline=1")
     _check_tensor(config, sizes)
     _check_sequence(config, sizes)
-
-
-def _check_moe(config: Config, sizes: Mapping[str, int]) -> None:
-    """An MoE model pipelines beside the batch axes. Its expert all-to-all and its
-    experts' tensor split run in shard_maps of their own (``parallel.moe``, or XLA's
-    partitioner), which cannot sit inside the stages' shard_map; and its capacity is per
-    sequence, so a sequence split over ``sequence`` would route differently."""
-    model = config.model
-    if not model.num_experts:
-        return
-    if model.moe_first_dense or model.moe_bias_rate > 0:
-        field = "moe_first_dense" if model.moe_first_dense else "moe_bias_rate"
-        raise ConfigError(
-            f"model.{field}={getattr(model, field)} with pipeline={sizes[AXIS]}: the stages "
-            "split one stack of identical MoE layer groups and report no per-expert load, "
-            f"so set model.{field}=0 (use moe_aux_weight for balance) or pipeline=1")
-    others = [f"{axis}={sizes[axis]}" for axis in ("expert", "tensor", SEQ_AXIS)
-              if sizes.get(axis, 1) > 1]
-    if others:
-        raise ConfigError(
-            f"model.num_experts={config.model.num_experts} with pipeline={sizes[AXIS]} and "
-            f"{', '.join(others)}: inside a stage an MoE layer runs its experts whole on each "
-            "device (the expert all-to-all and the experts' tensor split run in a shard_map "
-            "of their own, which cannot nest in the stages'); set those axes to 1 and use "
-            "data or fsdp beside pipeline, or pipeline=1 for expert parallelism")
 
 
 def _check_sequence(config: Config, sizes: Mapping[str, int]) -> None:
@@ -188,14 +174,14 @@ def _check_tensor(config: Config, sizes: Mapping[str, int]) -> None:
     t = sizes.get("tensor", 1)
     if t == 1:
         return
-    rest = {axis: n for axis, n in sizes.items() if axis not in (AXIS, "sequence")}
+    rest = {axis: n for axis, n in sizes.items() if axis not in (AXIS, "sequence", "expert")}
     rules = {dim: axes for dim, axes in make_rules(config.mesh, sizes, config.rules).items()
              if dim not in ("layers", "act_seq")}  # the stages' and context parallelism's
     if config.mesh.sequence_parallel and config.train.seq_len % t:
         raise ConfigError(f"train.seq_len={config.train.seq_len} with mesh.sequence_parallel "
                           f"and tensor={t}: the sequence must split evenly over tensor; use "
                           f"a seq_len that is a multiple of {t}")
-    if not tensor.applies(rest, rules, num_experts=config.model.num_experts,
+    if not tensor.applies(rest, rules, num_experts=0,  # the experts' hidden dim: moe.py
                           seq_len=config.train.seq_len,
                           sequence_parallel=config.mesh.sequence_parallel):
         raise ConfigError(f"--rule overrides with pipeline={sizes[AXIS]} and tensor={t}: the "
@@ -215,8 +201,9 @@ def _check_microbatches(config: Config, sizes: Mapping[str, int]) -> None:
         per = f" / train.grad_accum={accum}" if accum > 1 else ""
         raise ConfigError(
             f"train.batch_size={config.train.batch_size}{per} does not split into "
-            f"pipeline.microbatches={m} on each of the {shards} data x fsdp shards; make "
-            f"batch_size a multiple of {shards * m * accum} or change microbatches")
+            f"pipeline.microbatches={m} on each of the {shards} batch shards (data x fsdp x "
+            f"expert); make batch_size a multiple of {shards * m * accum} or change "
+            "microbatches")
 
 
 def tables(schedule: Schedule) -> np.ndarray:
@@ -392,6 +379,8 @@ def layer_strategies(config: Config, sizes: Mapping[str, int]) -> contextlib.Exi
     stack.enter_context(using_kernel(config.attention.impl, config.attention.chunk))
     if sizes.get(SEQ_AXIS, 1) > 1:
         stack.enter_context(context.manual_context_parallel(config.attention.context_parallel))
+    if config.model.num_experts:
+        stack.enter_context(manual_experts(config, sizes))
     if sizes.get("tensor", 1) > 1:
         stack.enter_context(tensor.manual_tensor(
             sequence_parallel=config.mesh.sequence_parallel, typed=False))

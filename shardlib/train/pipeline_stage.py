@@ -10,12 +10,14 @@ layer hooks active for the trace (FSDP gathers, Megatron TP/SP over ``tensor``) 
 inside the stage as in the plain step; a packed microbatch's ``segment_ids`` and
 ``positions`` reach attention and the position embedding through
 ``models.attention.packed_documents``.
+An MoE model's checks (``check_moe``) and its experts' strategy inside the stages
+(``manual_experts``) are here.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,11 +26,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlib import hooks, precision
-from shardlib.config import ModelConfig
+from shardlib.config import Config, ModelConfig
+from shardlib.errors import ConfigError
 from shardlib.models.attention import packed_documents
 from shardlib.models.gpt import gather_outside_layers
 from shardlib.models.layers import layer_body, remat, scan_layers
 from shardlib.models.moe import MoEStats, moe_objective, num_moe_layers, run_groups
+from shardlib.parallel import moe_manual
 from shardlib.train.objective import head_losses
 from shardlib.train.setup import TrainSetup
 
@@ -278,6 +282,44 @@ def attach(layout: Layout, kept: list[jax.Array], reload: Any) -> Any:
     again = jax.tree.leaves(reload)
     pick = {"kept": lambda i: kept[i], "reload": lambda i: again[i], "static": lambda x: x}
     return jax.tree.unflatten(treedef, [pick[kind](i) for kind, i in sources])
+
+
+def check_moe(config: Config, sizes: Mapping[str, int]) -> None:
+    """Raise on what an MoE model's stages cannot run. It pipelines beside every axis:
+    inside the stages' shard_map, manual over all of them, the expert all-to-all and the
+    experts' tensor split run in place (``parallel.moe_manual``). Capacity slots fill in
+    token order over a whole row, so they are refused where a device holds a slice of
+    each row."""
+    model = config.model
+    if not model.num_experts:
+        return
+    if model.moe_first_dense or model.moe_bias_rate > 0:
+        field = "moe_first_dense" if model.moe_first_dense else "moe_bias_rate"
+        raise ConfigError(
+            f"model.{field}={getattr(model, field)} with pipeline={sizes['pipeline']}: the "
+            "stages split one stack of identical MoE layer groups and report no per-expert load, "
+            f"so set model.{field}=0 (use moe_aux_weight for balance) or pipeline=1")
+    sliced = [f"{axis}={sizes[axis]}" for axis in ("sequence",) if sizes.get(axis, 1) > 1]
+    if config.mesh.sequence_parallel and sizes.get("tensor", 1) > 1:
+        sliced.append(f"tensor={sizes['tensor']} with mesh.sequence_parallel")
+    if model.moe_dispatch == "capacity" and sliced:
+        raise ConfigError(
+            f"model.moe_dispatch=capacity with pipeline={sizes['pipeline']} and "
+            f"{', '.join(sliced)}: an expert's capacity slots fill in token order over a "
+            "whole row, and inside a stage each device holds a slice of every row; use "
+            "model.moe_dispatch=dropless (every token kept, the same on any split)")
+
+
+def manual_experts(config: Config, sizes: Mapping[str, int]
+                   ) -> contextlib.AbstractContextManager[None]:
+    """The experts' strategy inside the stages (``parallel.moe_manual``): expert-parallel
+    with ``expert`` > 1; router statistics averaged over the axes that split every row
+    (``sequence``, whose devices each count their objective, and ``tensor`` under SP,
+    whose devices hold copies of it)."""
+    counted = ("sequence",) if sizes.get("sequence", 1) > 1 else ()
+    sp = ("tensor",) if config.mesh.sequence_parallel and sizes.get("tensor", 1) > 1 else ()
+    return moe_manual.manual_experts(expert_parallel=sizes.get("expert", 1) > 1,
+                                     row_axes=counted + sp, counted_axes=counted)
 
 
 def zero_parts(setup: TrainSetup) -> Parts:

@@ -23,8 +23,13 @@ count, ``A`` the ``train.grad_accum`` slices (each runs the whole schedule).
   same under ``pipeline.remat=keep``, whose tapes hold no weights, so every backward
   gathers its layers and the weights outside them again);
   without it the stage gathers once and reduce-scatters once per flush.
+- ``expert`` (MoE): the all-to-alls of ``analysis.theory.expert_terms`` for one stage's
+  MoE layers on one microbatch's ``T/S`` tokens, ``A M`` times, plus the forward's once
+  more (recomputed). Under ``tensor`` a dropless MoE layer's f and g act on its rows as a
+  dense MLP's, and f's backward also sums the gates' gradient.
 - gradient reductions, once per flush (``A`` times a step): the stage's layers over the
-  batch axes (and ``sequence``, and ``tensor`` for the norms under SP); the weights
+  batch axes (and ``sequence``, and ``tensor`` for the norms under SP; the expert
+  matrices not over ``expert``, which splits them); the weights
   outside the layers over those and the stages (only the first stage embeds, only the
   last computes the head).
 """
@@ -44,7 +49,9 @@ from shardlib.analysis.theory import (
     Term,
     comm_terms,
     context_terms,
+    expert_terms,
     geometry,
+    moe_layers,
     param_counts,
     tensor_terms,
 )
@@ -90,6 +97,8 @@ def pipeline_terms(config: Config, sizes: Mapping[str, int], param_bytes: int = 
                     accum * schedule.microbatches, "A M"),
             *_times(stage_context_terms(g, config.attention.context_parallel,
                                         schedule.split_backward, schedule.kept),
+                    accum * schedule.microbatches, "A M"),
+            *_times(stage_expert_terms(g, schedule.split_backward, schedule.kept),
                     accum * schedule.microbatches, "A M")]
 
 
@@ -129,6 +138,12 @@ def _layer_parts(config: Config, sizes: Mapping[str, int]) -> tuple[Fraction, Fr
     split = Fraction(counts.tensor_split - embed, t) + Fraction(counts.expert_split, t * x)
     replicated = Fraction(counts.tensor_replicated - m.d_model - pos)
     return split / m.num_layers, replicated / m.num_layers
+
+
+def _layer_experts(config: Config, sizes: Mapping[str, int]) -> Fraction:
+    """One layer's MoE expert-matrix elements on a device (expert and tensor splits)."""
+    t, x = sizes.get("tensor", 1), sizes.get("expert", 1)
+    return Fraction(param_counts(config.model).expert_split, t * x) / config.model.num_layers
 
 
 def _layer_elements(config: Config, sizes: Mapping[str, int]) -> Fraction:
@@ -204,9 +219,11 @@ def stage_replica_terms(config: Config, sizes: Mapping[str, int],
     partial = set(partial_axes(config, sizes)) - {"fsdp"}
     per_stage = Fraction(config.model.num_layers, sizes[AXIS])
     layer_split, layer_rep = (e * per_stage for e in _layer_parts(config, sizes))
+    experts = _layer_experts(config, sizes) * per_stage  # split over expert too
     out_split, out_rep = _outside_elements(config, sizes)
     groups: dict[tuple[str, ...], Fraction] = {}
-    for elems, split_over in ((layer_split, {AXIS, "tensor"}), (layer_rep, {AXIS}),
+    for elems, split_over in ((layer_split - experts, {AXIS, "tensor"}),
+                              (experts, {AXIS, "tensor", "expert"}), (layer_rep, {AXIS}),
                               (out_split, {"tensor"}), (Fraction(out_rep), set())):
         axes = tuple(a for a in sizes if a in partial - split_over)
         if axes and elems:
@@ -235,13 +252,31 @@ def stage_tensor_terms(g: Geometry, split: bool = False, kept: bool = False) -> 
     ``kept`` (``pipeline.remat=keep``); ``split`` (ZB-H1): W runs the backward once more,
     and recomputing, the forward too."""
     terms = [t for t in tensor_terms(g) if t.name != "norm-scale grads"]  # in reduce_grads
+    if moe_layers(g.model) and g.model.moe_dispatch == "dropless" and not g.sequence_parallel:
+        terms = _dropless_tensor_terms(g, terms)
     again = {"blocks f/g": Fraction(1, 2), "blocks SP gather": Fraction(1, 2),
-             "blocks SP scatter": Fraction(1, 2), "embedding lookup": Fraction(1)}
+             "blocks SP scatter": Fraction(1, 2), "embedding lookup": Fraction(1),
+             "experts f/g": Fraction(1, 2)}
     note = ", + the recomputed forward" if not kept else ""
     return [replace(t, bytes_per_device=round(t.bytes_per_device
                                               * _runs(again.get(t.name, 0), split, kept)),
                     formula=f"{t.formula}{note}" if t.name in again else t.formula)
             for t in terms]
+
+
+def _dropless_tensor_terms(g: Geometry, terms: list[Term]) -> list[Term]:
+    """Dropless MoE in the stages (``parallel.moe_manual``): f and g act on an MoE layer's
+    (b, s, d) rows as on a dense MLP's, and f's backward also sums the gates' gradient
+    (b, s, k fp32) over ``tensor``; there is no capacity buffer."""
+    t, layers, moe = g.n("tensor"), g.model.num_layers, moe_layers(g.model)
+    ring = Fraction(2 * (t - 1), t)
+    gates = g.local_batch * g.local_seq * g.model.moe_top_k * ACT_BYTES
+    kept = [x for x in terms if x.name not in ("experts f/g", "blocks f/g")]
+    return [*kept,
+            Term("blocks f/g", ("tensor",), "all-reduce", round(4 * layers * ring * g.act),
+                 "4 L x 2 (t-1)/t a (an MoE layer's f and g as an MLP's)"),
+            Term("experts gates f", ("tensor",), "all-reduce", round(moe * ring * gates),
+                 "L_moe x 2 (t-1)/t b s k 4")]
 
 
 def stage_context_terms(g: Geometry, method: str, split: bool = False,
@@ -255,6 +290,21 @@ def stage_context_terms(g: Geometry, method: str, split: bool = False,
     return [replace(t, bytes_per_device=round(t.bytes_per_device
                                               * _runs(again.get(t.name, 0), split, kept)))
             for t in context_terms(g, method)]
+
+
+def stage_expert_terms(g: Geometry, split: bool = False, kept: bool = False) -> list[Term]:
+    """The expert all-to-alls for one microbatch through one stage: ``expert_terms`` on
+    the device's ``T/S`` tokens, plus the forward's again (the backward recomputes it)
+    unless ``kept``: the rows' all-to-alls are half forward, the expert ids' all forward.
+    ``split`` (ZB-H1): W runs the backward once more (``_runs``)."""
+    again = {"tokens all-to-all": Fraction(1, 2), "dropless rows all-to-all": Fraction(1, 2),
+             "dropless expert ids all-to-all": Fraction(1)}
+    local = replace(g, seq_len=g.seq_len // g.n("sequence"))
+    note = ", + the recomputed forward" if not kept else ""
+    return [replace(t, bytes_per_device=round(t.bytes_per_device
+                                              * _runs(again.get(t.name, 0), split, kept)),
+                    formula=f"{t.formula}{note}")
+            for t in expert_terms(local)]
 
 
 GATED = ("in a conditional branch", "unknown trip count")  # ``analysis.hlo_text`` notes
