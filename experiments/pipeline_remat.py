@@ -37,7 +37,7 @@ from shardlib.config import (  # noqa: E402
     PipelineConfig,
     TrainConfig,
 )
-from shardlib.train import pipeline  # noqa: E402
+from shardlib.train import pipeline, pipeline_check  # noqa: E402
 from shardlib.train.pipeline_schedule import build  # noqa: E402
 from shardlib.train.pipeline_stage import Stage  # noqa: E402
 from shardlib.train.state import build_setup, init_state  # noqa: E402
@@ -114,7 +114,7 @@ def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     rows = []
     for schedule, virtual, model_remat in CASES:
-        for remat in pipeline.REMAT:
+        for remat in pipeline_check.REMAT:
             rows.append(measure(schedule, virtual, model_remat, remat, args.rows,
                                 args.seq_len, args.steps))
             print(", ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)

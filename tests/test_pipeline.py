@@ -28,7 +28,7 @@ from shardlib.config import (
     parse_mesh,
 )
 from shardlib.errors import ConfigError
-from shardlib.train import pipeline
+from shardlib.train import pipeline, pipeline_check
 from shardlib.train.pipeline_schedule import BWD, FWD, IDLE, WGT, Schedule, build, with_slots
 from shardlib.train.state import TrainSetup, TrainState, build_setup, init_state
 from shardlib.train.step import loss_fn, make_train_step
@@ -343,8 +343,8 @@ def test_errors_name_field_value_and_fix(mesh: MeshConfig, changes: dict, needle
 
 
 def test_auto_microbatches_fill_up_to_four_per_stage():
-    assert pipeline.resolve_microbatches(make_config(MeshConfig()), {"pipeline": 2}) == 8
+    assert pipeline_check.resolve_microbatches(make_config(MeshConfig()), {"pipeline": 2}) == 8
     sizes = {"pipeline": 4, "data": 2, "fsdp": 2}  # 8 rows per shard: 8 microbatches of 1
-    assert pipeline.resolve_microbatches(make_config(MeshConfig()), sizes) == 8
+    assert pipeline_check.resolve_microbatches(make_config(MeshConfig()), sizes) == 8
     sizes = {"pipeline": 3, "data": 2}  # 16 rows per shard: 8 of 2 (12 does not divide)
-    assert pipeline.resolve_microbatches(make_config(MeshConfig()), sizes) == 8
+    assert pipeline_check.resolve_microbatches(make_config(MeshConfig()), sizes) == 8

@@ -16,7 +16,7 @@ from shardlib.mesh import MESH_AXES
 from shardlib.models import get_preset
 from shardlib.planner import cost, pipeline, profiles, report, search
 from shardlib.planner.space import Candidate
-from shardlib.train.pipeline import resolve_microbatches
+from shardlib.train.pipeline_check import resolve_microbatches
 from shardlib.train.pipeline_theory import step_comm_terms
 
 TINY = Config(model=get_preset("tiny"), train=TrainConfig(batch_size=8, seq_len=32,

@@ -1,7 +1,7 @@
 """Pipeline x tensor candidates: where the planner splits the layers into ``pipeline``
 stages beside ``tensor`` (and ``data`` / ``fsdp``), and what such a step costs.
 
-Only what the pipelined train step runs (``train.pipeline.check_pipeline``): dense
+Only what the pipelined train step runs (``train.pipeline_check.check_pipeline``): dense
 models, layers divisible by the stages, the 1F1B or GPipe schedule, the microbatches the
 train default picks (``resolve_microbatches``: up to 4 x stages). Figures, per device:
 
@@ -48,9 +48,9 @@ from shardlib.planner.space import (
     factorizations,
     mesh_problem,
 )
-from shardlib.train.pipeline import (
+from shardlib.train.pipeline import act_shape
+from shardlib.train.pipeline_check import (
     accum_rows,
-    act_shape,
     batch_shards,
     check_pipeline,
     resolve_microbatches,

@@ -56,13 +56,12 @@ from shardlib.analysis.theory import (
     tensor_terms,
 )
 from shardlib.config import Config
-from shardlib.train.pipeline import (
+from shardlib.train.pipeline import act_shape, partial_axes
+from shardlib.train.pipeline_check import (
     AXIS,
     accum_rows,
-    act_shape,
     applies,
     batch_shards,
-    partial_axes,
     resolve_microbatches,
 )
 from shardlib.train.pipeline_chunks import deal_plan

@@ -27,7 +27,7 @@ from shardlib.precision import LossScale
 from shardlib.precision import resolve as resolve_policy
 from shardlib.train import comm as comm_lib
 from shardlib.train import diloco
-from shardlib.train.pipeline import check_pipeline
+from shardlib.train.pipeline_check import check_pipeline
 from shardlib.train.setup import TrainSetup, TrainState
 
 

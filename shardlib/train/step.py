@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from shardlib import precision
 from shardlib.models import moe
 from shardlib.sharding import compiling_for
-from shardlib.train import comm, diloco, nonfinite, pipeline
+from shardlib.train import comm, diloco, nonfinite, pipeline, pipeline_check
 from shardlib.train.objective import (  # noqa: F401  (loss_fn, model_loss: public here too)
     Batch,
     Metrics,
@@ -54,7 +54,7 @@ def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: Batch,
 
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
     pin = lambda g: jax.lax.with_sharding_constraint(g, setup.grad_shardings)
-    if pipeline.applies(setup.sizes):  # GPipe / 1F1B over `pipeline` (train.pipeline)
+    if pipeline_check.applies(setup.sizes):  # GPipe / 1F1B over `pipeline` (train.pipeline)
         parts, grads = pipeline_loss_and_grads(setup, params, batch, scale, count)
         return parts["loss"], pin(grads), parts
     if count == 1:
