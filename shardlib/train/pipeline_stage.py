@@ -9,9 +9,8 @@ out: ``detach``) and ``Stage.kept_backward`` runs the same backward from them. T
 layer hooks active for the trace (FSDP gathers, Megatron TP/SP over ``tensor``) act
 inside the stage as in the plain step; a packed microbatch's ``segment_ids`` and
 ``positions`` reach attention and the position embedding through
-``models.attention.packed_documents``.
-An MoE model's checks (``check_moe``) and its experts' strategy inside the stages
-(``manual_experts``) are here.
+``models.attention.packed_documents``. An MoE model's checks (``check_moe``) and its
+experts' strategy inside the stages (``manual_experts``) are here.
 """
 
 from __future__ import annotations

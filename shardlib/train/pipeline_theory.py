@@ -245,6 +245,18 @@ def _runs(forward_share: Fraction | int, split: bool, kept: bool) -> Fraction:
     return 1 + split * (1 - a) if kept else 1 + a + split
 
 
+def _rerun(terms: list[Term], again: Mapping[str, Fraction], split: bool,
+           kept: bool) -> list[Term]:
+    """``terms`` of one pass, each scaled by how often it runs per microbatch (``_runs``
+    of its forward share in ``again``; 0 for a backward-only term), those the backward
+    recomputes marked in their formula."""
+    note = ", + the recomputed forward" if not kept else ""
+    return [replace(t, bytes_per_device=round(t.bytes_per_device
+                                              * _runs(again.get(t.name, 0), split, kept)),
+                    formula=f"{t.formula}{note}" if t.name in again else t.formula)
+            for t in terms]
+
+
 def stage_tensor_terms(g: Geometry, split: bool = False, kept: bool = False) -> list[Term]:
     """Megatron TP for one microbatch through one stage: ``tensor_terms`` of the stage's
     layers, plus the stage forward's collectives again (the backward recomputes it) unless
@@ -256,11 +268,7 @@ def stage_tensor_terms(g: Geometry, split: bool = False, kept: bool = False) -> 
     again = {"blocks f/g": Fraction(1, 2), "blocks SP gather": Fraction(1, 2),
              "blocks SP scatter": Fraction(1, 2), "embedding lookup": Fraction(1),
              "experts f/g": Fraction(1, 2)}
-    note = ", + the recomputed forward" if not kept else ""
-    return [replace(t, bytes_per_device=round(t.bytes_per_device
-                                              * _runs(again.get(t.name, 0), split, kept)),
-                    formula=f"{t.formula}{note}" if t.name in again else t.formula)
-            for t in terms]
+    return _rerun(terms, again, split, kept)
 
 
 def _dropless_tensor_terms(g: Geometry, terms: list[Term]) -> list[Term]:
@@ -286,9 +294,7 @@ def stage_context_terms(g: Geometry, method: str, split: bool = False,
     backward. ``split`` (ZB-H1): W runs the backward once more (and the forward, when
     recomputing)."""
     again = {"q/k/v/out all-to-all": Fraction(1, 2), "K/V all-gather": Fraction(1)}
-    return [replace(t, bytes_per_device=round(t.bytes_per_device
-                                              * _runs(again.get(t.name, 0), split, kept)))
-            for t in context_terms(g, method)]
+    return _rerun(context_terms(g, method), again, split, kept)
 
 
 def stage_expert_terms(g: Geometry, split: bool = False, kept: bool = False) -> list[Term]:
@@ -299,11 +305,7 @@ def stage_expert_terms(g: Geometry, split: bool = False, kept: bool = False) -> 
     again = {"tokens all-to-all": Fraction(1, 2), "dropless rows all-to-all": Fraction(1, 2),
              "dropless expert ids all-to-all": Fraction(1)}
     local = replace(g, seq_len=g.seq_len // g.n("sequence"))
-    note = ", + the recomputed forward" if not kept else ""
-    return [replace(t, bytes_per_device=round(t.bytes_per_device
-                                              * _runs(again.get(t.name, 0), split, kept)),
-                    formula=f"{t.formula}{note}")
-            for t in expert_terms(local)]
+    return _rerun(expert_terms(local), again, split, kept)
 
 
 GATED = ("in a conditional branch", "unknown trip count")  # ``analysis.hlo_text`` notes
