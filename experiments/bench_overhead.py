@@ -33,7 +33,7 @@ def hand_written_loss(params: dict, tokens_bt, targets_bt, cfg) -> Any:
 
     def rope(x_bthk, cos_tk, sin_tk):
         x1, x2 = jnp.split(x_bthk, 2, axis=-1)
-        cos, sin = cos_tk[None, :, None, :], sin_tk[None, :, None, :]
+        cos, sin = (c[None, :, None, :].astype(x_bthk.dtype) for c in (cos_tk, sin_tk))
         return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
     def attention(q, k, v):

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One GPU's figures for docs/results/gpu.md, in one run (about 8 minutes on an H100/H200):
+#   1. model MFU on one GPU, beside the hand-written jax.jit step (bench.py): a ~350M GPT
+#      (d_model 1024, 24 layers) with each attention kernel and a ~1B one (d_model 2048, 16);
+#   2. the attention kernels alone (xla, chunked, cudnn), bf16, forward + backward;
+#   3. KV-cache decode against the no-cache window path (decode_bench.py).
+# Everything it prints also lands in $OUT_DIR (default experiments/results/gpu).
+#     bash experiments/gpu_suite.sh [OUT_DIR]        # QUICK=1: tiny sizes (checks the paths)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-experiments/results/gpu}
+py=${PYTHON:-python}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS-}   # decode_bench defaults to cpu
+if [[ ${QUICK:-0} == 1 ]]; then
+  seqs=128,256; shape=(--layers 2 --batch-size 2 --seq-len 128 --rounds 2 --steps-per-round 1)
+  m350=(model.d_model=128 model.num_heads=2 model.d_ff=256 model.max_seq_len=128)
+  m1b=(model.d_model=128 model.num_heads=2 model.d_ff=512 model.max_seq_len=128)
+  shape1b=("${shape[@]}"); kernels=xla,chunked; decode=(--model tiny --window 64 --long 24)
+else
+  seqs=2048,4096,8192
+  shape=(--layers 24 --batch-size 8 --seq-len 2048 --rounds 3 --steps-per-round 3)
+  m350=(model.d_model=1024 model.num_heads=8 model.d_ff=4096 model.max_seq_len=2048)
+  m1b=(model.d_model=2048 model.num_heads=16 model.d_ff=8192 model.max_seq_len=2048)
+  shape1b=(--layers 16 --batch-size 8 --seq-len 2048 --rounds 3 --steps-per-round 3)
+  kernels=xla,chunked,cudnn; decode=(--model small --window 512)
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+  $py -c "import jax, jaxlib, flax, optax, sys; print('python', sys.version.split()[0], \
+'jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'optax', \
+optax.__version__); print(jax.devices())"; } 2>&1 | tee "$out/versions.txt"
+bench() {  # bench LABEL KERNEL SHAPE_ARRAY_NAME MODEL_ARRAY_NAME
+  local -n sh=$3 md=$4
+  echo "== $1, attention.impl=$2" | tee -a "$out/bench.txt"
+  $py experiments/bench.py --device-counts 1 --precision bf16 --no-profile --depth '' \
+    "${sh[@]}" --set "${md[@]}" attention.impl=$2 --out "$out/$1_$2" 2>&1 | tee -a "$out/bench.txt"
+}
+first=${kernels##*,}   # the headline first (cudnn on a GPU), in case the run is cut short
+bench 350m "$first" shape m350
+bench 1b "$first" shape1b m1b
+for k in ${kernels//,/ }; do [[ $k == "$first" ]] || bench 350m "$k" shape m350; done
+echo "== attention kernels alone" | tee "$out/attention.txt"
+$py experiments/attention_bench.py --kernels "$kernels" --dtype bfloat16 --heads 16 \
+  --head-dim 128 --seq-lens "$seqs" 2>&1 | tee -a "$out/attention.txt"
+echo "== decode" | tee "$out/decode.txt"
+$py experiments/decode_bench.py "${decode[@]}" 2>&1 | tee -a "$out/decode.txt"
