@@ -195,6 +195,8 @@ def test_auto_rule():
     assert resolve("auto", backend="cpu", seq_len=4096, dtype=f32, head_dim=64) == "chunked"
     assert resolve("auto", backend="tpu", seq_len=4096, dtype=bf16, head_dim=64) == "splash"
     assert resolve("auto", backend="tpu", seq_len=4000, dtype=bf16, head_dim=64) == "chunked"
+    assert resolve("auto", backend="tpu", seq_len=512, dtype=bf16, head_dim=128) == "splash"
+    assert resolve("auto", backend="tpu", seq_len=512, dtype=bf16, head_dim=64) == "xla"
     assert resolve("auto", backend="gpu", seq_len=512, dtype=bf16, head_dim=64) == "cudnn"
     assert resolve("auto", backend="gpu", seq_len=4096, dtype=f32, head_dim=64) == "chunked"
     assert resolve("chunked", backend="gpu", seq_len=8, dtype=bf16, head_dim=64) == "chunked"

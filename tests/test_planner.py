@@ -19,7 +19,7 @@ from shardlib.analysis import theory
 from shardlib.analysis.hlo import comm_bytes_per_device, parse_collectives
 from shardlib.analysis.memory import peak_of
 from shardlib.cli.plan import parse_bytes, parse_pinned
-from shardlib.config import Config, PrecisionConfig, TrainConfig, parse_mesh
+from shardlib.config import AttentionConfig, Config, PrecisionConfig, TrainConfig, parse_mesh
 from shardlib.errors import ConfigError, ShardingError, ShardlibError
 from shardlib.mesh import MESH_AXES, make_mesh
 from shardlib.models import count_params, get_preset
@@ -355,7 +355,8 @@ def test_plan_for_a_target_takes_its_devices_profile_budget_and_compiler():
     assert (fits.num_devices, fits.profile.name, fits.budget_bytes) == (8, "v5e", 16 * 2**30)
     assert fits.best.compiled and fits.best.verdict == "fits", fits.best.note
     long = dataclasses.replace(TINY, model=dataclasses.replace(TINY.model, max_seq_len=16384),
-                               train=dataclasses.replace(TINY.train, seq_len=16384))
+                               train=dataclasses.replace(TINY.train, seq_len=16384),
+                               attention=AttentionConfig(impl="xla"))  # T x T scores
     refused = search.plan(long, target=target, remats=("none",), microbatches=(1,),
                           pinned={"data": 8}, compile_top=1, persist_cache=False)
     assert refused.best is None and len(refused.over_budget) == 1

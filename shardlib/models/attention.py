@@ -109,8 +109,9 @@ def resolve(kernel: str, *, backend: str, seq_len: int, dtype, head_dim: int,
     if (backend == "gpu" and cudnn_supports(capability) and jnp.dtype(dtype) in HALF
             and head_dim % 8 == 0 and head_dim <= 128):
         return "cudnn"
-    if backend == "tpu" and seq_len % SPLASH_BLOCK == 0:
-        return "splash"
+    if backend == "tpu" and seq_len % SPLASH_BLOCK == 0 and (
+            head_dim % SPLASH_BLOCK == 0 or seq_len >= AUTO_CHUNKED_FROM):
+        return "splash"  # smaller heads go to the kernel padded to 128 lanes: worth it long
     return "chunked" if seq_len >= AUTO_CHUNKED_FROM else "xla"
 
 
