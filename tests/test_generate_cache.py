@@ -13,7 +13,7 @@ from flax import nnx
 from shardlib.config import MeshConfig
 from shardlib.models.decode import forward_cached, init_cache, sample
 from shardlib.models.gpt import GPT
-from shardlib.train.generate import generate, generate_cached
+from shardlib.train.generate import compile_generate_cached, generate, generate_cached
 from shardlib.train.state import build_setup, init_state
 from tests.helpers import tiny_config
 
@@ -99,6 +99,19 @@ def test_greedy_tokens_equal_the_window_path_on_a_mesh(sharded):
     stopped = generate_cached(setup, params, [list(short), list(long)], 10, stop_tokens=(stop,))
     assert stopped[1] == got[1][: got[1].index(stop) + 1]
     assert stopped[0] == got[0][: got[0].index(stop) + 1] if stop in got[0] else got[0]
+
+
+def test_compiled_cached_decode_runs_again_without_compiling(sharded, monkeypatch):
+    """``compile_generate_cached`` compiles once; each call only runs (what decode_bench
+    times), and gives what ``generate_cached`` gives."""
+    setup, params = sharded
+    prompts = [list(TOKENS[0, :5]), list(TOKENS[1, :11])]
+    run = compile_generate_cached(setup, params, prompts, 6)
+    with monkeypatch.context() as patch:
+        patch.setattr(jax.stages.Lowered, "compile", lambda *a, **k: pytest.fail("compiled"))
+        first, again = run(params, 0), run(params, 1)  # greedy: the seed changes nothing
+    assert first == again == generate_cached(setup, params, prompts, 6)
+    assert len(first) == 2 and all(len(row) == 6 for row in first)
 
 
 def test_sampling_filters():
