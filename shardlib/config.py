@@ -187,8 +187,9 @@ class AttentionConfig:
     context_parallel: str = "none"
     # The local kernel (shardlib.models.attention): xla (textbook, O(T^2) scores) | chunked
     # (flash-style online softmax, O(T * chunk) memory) | cudnn (GPU, bf16/fp16) | splash
-    # (TPU Pallas kernel) | auto, the default (cudnn on GPU in bf16/fp16, splash on TPU,
-    # chunked from T >= 1024, else xla): the platform is the mesh's, so a --target decides
+    # (TPU Pallas kernel) | auto, the default (cudnn on GPU in bf16/fp16, splash on TPU for
+    # heads of 128 or T >= 1024, chunked from T >= 1024, else xla): the platform is the
+    # mesh's, so a --target decides
     impl: str = "auto"
     chunk: int = 512  # the chunked kernel's query and key block, in tokens
 
