@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU's figures for docs/results/gpu.md, in one run (about 8 minutes on an H100/H200):
+# One GPU's figures for docs/results/gpu.md, in one run (under 3 minutes on an H200):
 #   1. model MFU on one GPU, beside the hand-written jax.jit step (bench.py): a ~350M GPT
 #      (d_model 1024, 24 layers) with each attention kernel and a ~1B one (d_model 2048, 16);
 #   2. the attention kernels alone (xla, chunked, cudnn), bf16, forward + backward;
