@@ -14,7 +14,11 @@ top candidates compiled; the compiles here only fill its cache). Printed per mod
 
 Timing: each pass visits every candidate in turn (fresh state, one warm-up step, then
 ``--steps`` timed steps); a candidate's time is its fastest step over ``--passes`` passes,
-the figure least disturbed by other load on a shared machine. Writes
+the figure least disturbed by other load on a shared machine. The CPU profile the
+predictions use is measured at the start of every pass, beside the timings, and each of
+its figures is taken at its best over the passes the same way
+(``profiles.least_disturbed``): a profile measured at another time, under other load,
+would skew the predictions against these timings. Writes
 ``experiments/results/planner_validation_<model>.csv`` and ``.png`` (and ``.json``).
 
     python experiments/planner_validation.py [--quick] [--models small,gpt2-small]
@@ -60,10 +64,12 @@ class Progress:
     """Compiled steps and timings so far, one JSON object a line: a killed run resumes."""
 
     def __init__(self, path: Path):
-        self.path, self.steps, self.times = path, {}, {}
+        self.path, self.steps, self.times, self.profiles = path, {}, {}, {}
         for line in path.read_text().splitlines() if path.is_file() else []:
             rec = json.loads(line)
-            if "step" in rec:
+            if "profile" in rec:
+                self.profiles[rec["pass"]] = rec["profile"]
+            elif "step" in rec:
                 self.steps[rec["key"]] = rec["step"]
             else:
                 self.times[(rec["key"], rec["pass"])] = rec["seconds"]
@@ -94,11 +100,16 @@ def measure_all(config, candidates, devices, budget, args, progress: Progress) -
     import jax
 
     from shardlib import data as data_lib
+    from shardlib.planner.profiles import measure_cpu
     from shardlib.planner.search import CompiledStep, compile_candidate
     from shardlib.train.state import build_setup, init_state
 
     host_state = None
     for p in range(1, args.passes + 1):
+        if p not in progress.profiles:  # this pass's host, measured beside its timings
+            progress.profiles[p] = measure_cpu(devices)
+            progress.add(**{"pass": p}, profile=progress.profiles[p])
+            print(f"  pass {p}: {profile_line(progress.profiles[p])}", flush=True)
         for i, cand in enumerate(candidates, start=1):
             step = progress.steps.get(cand.key)
             fits = step is not None and step != "failed" and step["memory_bytes"] <= budget
@@ -133,9 +144,17 @@ def measure_all(config, candidates, devices, budget, args, progress: Progress) -
             gc.collect()
 
 
-def validate(model: str, args: argparse.Namespace, devices, profile) -> list[dict]:
+def profile_line(m: dict) -> str:
+    return (f"cpu profile {m['peak_flops'] / 1e9:.1f} GFLOP/s per device, memory "
+            f"{m['memory_bandwidth'] / 1e9:.2f} GB/s, links {m['bandwidth'] / 1e9:.2f} GB/s, "
+            f"{m['latency'] * 1e6:.1f} us/hop (load average {m.get('load_average', 0):.1f} "
+            f"on {m.get('cores', '?')} cores)")
+
+
+def validate(model: str, args: argparse.Namespace, devices) -> list[dict]:
     from shardlib.config import Config, TrainConfig
     from shardlib.models import get_preset
+    from shardlib.planner.profiles import least_disturbed, profile_from_measurement
     from shardlib.planner.search import CompileCache, CompiledStep, compiled_figures, plan
     from shardlib.planner.space import enumerate_space
 
@@ -150,6 +169,10 @@ def validate(model: str, args: argparse.Namespace, devices, profile) -> list[dic
           f"{budget_mib} MiB", flush=True)
     progress = Progress(args.work_dir / f"{model}.jsonl")
     measure_all(config, valid, devices, budget, args, progress)
+    measurement = least_disturbed(progress.profiles.values())
+    print(f"{model}: {profile_line(measurement)}, the best of {len(progress.profiles)}",
+          flush=True)
+    profile = profile_from_measurement(measurement, len(devices))
     cache, compiled, measured = CompileCache(persist=False), {}, {}
     for cand in valid:
         if progress.steps.get(cand.key, "failed") == "failed":
@@ -164,7 +187,8 @@ def validate(model: str, args: argparse.Namespace, devices, profile) -> list[dic
             for c, v in compiled.items()}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"planner_validation_{model}.json").write_text(json.dumps(
-        {"profile": profile.to_dict(), "budget": budget, "candidates": dump}, indent=1))
+        {"profile": profile.to_dict(), "profile_measurements": list(progress.profiles.values()),
+         "budget": budget, "candidates": dump}, indent=1))
     result = plan(config, 8, profile, budget_bytes=budget, remats=remats,
                   microbatches=args.microbatches, devices=devices,
                   compile_top=args.compile_top, cache=cache)
@@ -261,15 +285,8 @@ def main() -> None:
 
     jax.config.update("jax_compilation_cache_dir", str(args.work_dir / "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    from shardlib.planner.profiles import get_profile
-
-    saved = args.work_dir / "cpu_profile.json"  # a resumed run keeps its first profile
-    profile = get_profile(str(saved)) if saved.is_file() else get_profile("cpu", refresh=True)
-    saved.write_text(json.dumps(profile.to_dict()))
-    print(f"cpu profile: {profile.peak_flops['float32'] / 1e9:.1f} GFLOP/s per device, "
-          f"{profile.intra.bandwidth / 1e9:.2f} GB/s, {profile.intra.latency * 1e6:.1f} us/hop")
     for model in args.models.split(","):
-        rows = validate(model, args, devices, profile)
+        rows = validate(model, args, devices)
         s = summarize(rows)
         print(f"{model}: spearman {s['spearman']:.3f} (all compiled "
               f"{s['spearman_all_compiled']:.3f}) over {s['timed']} timed; pick {s['pick']} "
