@@ -286,15 +286,15 @@ def _best_time(fn, *args, reps: int = 5) -> float:
 
 
 def measure_cpu(devices: list, size: int = 384, gather_bytes: int = 2**21,
-                stream_bytes: int = 2**25, rounds: int = 3) -> dict[str, float]:
+                stream_bytes: int = 2**25) -> dict[str, float]:
     """Per-device matmul FLOP/s and memory bandwidth (an elementwise pass over
     ``stream_bytes``, read and written) with every device busy at once; all-gather
     bandwidth and per-hop latency between the simulated devices (bytes *sent* per device
     / time). The elementwise pass writes a fresh buffer, as a step's activations do, and
-    pays its page faults: on a 2-core host 0.8 GB/s per device, against 6 GB/s in place.
-    Each figure is its best over ``rounds`` rounds (``least_disturbed``): one reading can
-    be 2x slow on an idle host (11.9 against 22.7 GFLOP/s, minutes apart). Also the
-    host's load average before it started (``busy``)."""
+    pays its page faults: on a 2-core host 0.6-1.3 GB/s per device, against 6 GB/s in
+    place. One reading can be 2x slow on an idle host (11.9 against 22.7 GFLOP/s,
+    minutes apart): ``least_disturbed`` combines several. Also the host's load average
+    before it started (``busy``)."""
     load_average, cores = host_load()  # before ours: other work's load only
     import jax
     import jax.numpy as jnp
@@ -305,27 +305,25 @@ def measure_cpu(devices: list, size: int = 384, gather_bytes: int = 2**21,
     spec = NamedSharding(mesh, PartitionSpec("d"))
     a_nkk = jax.device_put(jnp.ones((n, size, size), jnp.float32), spec)
     matmul = jax.jit(lambda a: jnp.einsum("nij,njk->nik", a, a), out_shardings=spec)
+    peak = 2 * size**3 / _best_time(matmul, a_nkk)
     per_device = min(stream_bytes, 2**30 // n)  # at most 1 GiB in all, however many devices
     stream = jax.device_put(jnp.ones((n, per_device // 4), jnp.float32), spec)
     scale = jax.jit(lambda v: v * 1.0001, out_shardings=spec)
+    memory_bandwidth = 2 * per_device / _best_time(scale, stream)
+    del stream
     rows = gather_bytes // 4 // 256
     x = jax.device_put(jnp.ones((n * rows, 256), jnp.float32), spec)
     gather = jax.jit(jax.shard_map(lambda v: jax.lax.all_gather(v, "d", tiled=True) * 1.0,
                                    mesh=mesh, in_specs=PartitionSpec("d"),
                                    out_specs=PartitionSpec("d")))
     sent = rows * 256 * 4 * (n - 1)  # (n-1)/n of the gathered output, per device
+    bandwidth = sent / _best_time(gather, x) if n > 1 else 1e12
     tiny = jax.device_put(jnp.ones((n, 1), jnp.float32), spec)
-    chains = [_psum_chain(mesh, k) for k in (1, 33)]
-
-    def one_round() -> dict[str, float]:
-        chain = [_best_time(f, tiny) for f in chains]
-        return {"peak_flops": 2 * size**3 / _best_time(matmul, a_nkk),
-                "memory_bandwidth": 2 * per_device / _best_time(scale, stream),
-                "bandwidth": sent / _best_time(gather, x) if n > 1 else 1e12,
-                "latency": max(chain[1] - chain[0], 0.0) / 32 / max(2 * (n - 1), 1),
-                "load_average": load_average, "cores": cores}
-
-    return least_disturbed(one_round() for _ in range(max(rounds, 1)))
+    chain = [_best_time(_psum_chain(mesh, k), tiny) for k in (1, 33)]
+    latency = max(chain[1] - chain[0], 0.0) / 32 / max(2 * (n - 1), 1)
+    return {"peak_flops": peak, "bandwidth": bandwidth, "latency": latency,
+            "memory_bandwidth": memory_bandwidth, "load_average": load_average,
+            "cores": cores}
 
 
 def _psum_chain(mesh, count: int):
