@@ -264,6 +264,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def profile_from_measurement(m: Mapping[str, float], num_devices: int) -> DeviceProfile:
+    """The ``cpu`` profile of a ``measure_cpu`` reading (or ``least_disturbed`` of
+    several): one link for every axis, no overlap, this host's memory shared out."""
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(num_devices, 1)
     link = Link(m["bandwidth"], m["latency"])
     return DeviceProfile("cpu", {"float32": m["peak_flops"]}, memory, num_devices, link, link,
