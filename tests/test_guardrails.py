@@ -492,10 +492,13 @@ def test_sigstopped_process_is_named_and_everything_exits():
     try:
         first = proc.stdout.readline()
         pids = [int(p) for p in re.search(r"pids (\d+) (\d+)$", first).groups()]
-        for line in proc.stdout:  # wait until process 0 has logged a few steps
-            lines.append(line)
-            if re.match(r"\[p0\] step +5/", line):
-                break
+        first_step = None
+        for line in proc.stdout:  # wait until process 0 has logged a few steps and
+            lines.append(line)    # process 1's heartbeats (every 1 s) have reached it
+            if re.match(r"\[p0\] step +\d+/", line):
+                first_step = first_step or time.monotonic()
+                if time.monotonic() - first_step >= 3:
+                    break
         os.kill(pids[1], signal.SIGSTOP)
         stopped = time.monotonic()
         rest = proc.communicate(timeout=timeout + 60)[0]
