@@ -251,7 +251,7 @@ def test_links_follow_the_mesh_layout():
 # --------------------------------------------------------------------------- profiles
 def test_cpu_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDLIB_CACHE", str(tmp_path))
-    monkeypatch.setattr(profiles, "host_load", lambda: (0.0, 2))  # an idle host
+    monkeypatch.setattr(profiles, "host_load", lambda: {"load_average": 0.0, "cores": 2})  # idle
     first = profiles.cpu_profile()
     assert first.flops("float32") > 1e6 and first.intra.bandwidth > 1e6
     assert first.intra.latency >= 0 and not first.overlap and first.memory_bandwidth > 1e6
@@ -266,12 +266,12 @@ def test_a_profile_measured_on_a_busy_host_is_measured_again_when_idle(tmp_path,
                      {"peak_flops": 20e9, "bandwidth": 0.9e9, "latency": 2e-5,
                       "memory_bandwidth": 8e8, "load_average": 0.2, "cores": 2}])
     monkeypatch.setattr(profiles, "measure_cpu", lambda devices: next(readings))
-    monkeypatch.setattr(profiles, "host_load", lambda: (7.5, 2))
+    monkeypatch.setattr(profiles, "host_load", lambda: {"load_average": 7.5, "cores": 2})
     with pytest.warns(RuntimeWarning, match=r"busy \(load average 7.5 on 2 cores\)"):
         busy = profiles.cpu_profile()
     assert busy.flops("float32") == 9e9
     assert profiles.cpu_profile() == busy  # still busy: the cached reading, not another
-    monkeypatch.setattr(profiles, "host_load", lambda: (0.2, 2))
+    monkeypatch.setattr(profiles, "host_load", lambda: {"load_average": 0.2, "cores": 2})
     idle = profiles.cpu_profile()  # idle now: measured again, each figure at its best
     assert idle.flops("float32") == 20e9 and idle.intra.bandwidth == 1e9
     assert idle.intra.latency == 1e-5 and idle.memory_bandwidth == 8e8

@@ -209,10 +209,11 @@ def cpu_profile(*, refresh: bool = False) -> DeviceProfile:
     path = cache_dir() / "cpu_profiles.json"
     cached = _read_json(path)
     entry = cached.get(key, {})
-    if "memory_bandwidth" in entry and not refresh and (not busy(entry) or busy(host_now())):
+    known = "memory_bandwidth" in entry and not refresh
+    if known and (not busy(entry) or busy(host_load())):
         return profile_from_measurement(entry, len(devices))  # quiet, or no quieter now
     measured = measure_cpu(devices)
-    if "memory_bandwidth" in entry and not refresh:  # a busy reading, improved on
+    if known:  # a busy reading, improved on
         measured = least_disturbed([entry, measured])
     if busy(measured):
         warnings.warn(
@@ -227,15 +228,10 @@ def cpu_profile(*, refresh: bool = False) -> DeviceProfile:
     return profile_from_measurement(measured, len(devices))
 
 
-def host_now() -> dict[str, float]:
-    """The host's load as a measurement records it (``busy`` reads it)."""
-    load_average, cores = host_load()
-    return {"load_average": load_average, "cores": cores}
-
-
-def host_load() -> tuple[float, int]:
-    """The host's 1-minute load average and its core count."""
-    return os.getloadavg()[0], os.cpu_count() or 1
+def host_load() -> dict[str, float]:
+    """The host's 1-minute load average and core count, as a measurement records them
+    (``busy`` reads them)."""
+    return {"load_average": os.getloadavg()[0], "cores": os.cpu_count() or 1}
 
 
 def busy(measured: Mapping[str, float]) -> bool:
@@ -297,7 +293,7 @@ def measure_cpu(devices: list, size: int = 384, gather_bytes: int = 2**21,
     place. One reading can be 2x slow on an idle host (11.9 against 22.7 GFLOP/s,
     minutes apart): ``least_disturbed`` combines several. Also the host's load average
     before it started (``busy``)."""
-    load_average, cores = host_load()  # before ours: other work's load only
+    load = host_load()  # before ours: other work's load only
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -324,8 +320,7 @@ def measure_cpu(devices: list, size: int = 384, gather_bytes: int = 2**21,
     chain = [_best_time(_psum_chain(mesh, k), tiny) for k in (1, 33)]
     latency = max(chain[1] - chain[0], 0.0) / 32 / max(2 * (n - 1), 1)
     return {"peak_flops": peak, "bandwidth": bandwidth, "latency": latency,
-            "memory_bandwidth": memory_bandwidth, "load_average": load_average,
-            "cores": cores}
+            "memory_bandwidth": memory_bandwidth, **load}
 
 
 def _psum_chain(mesh, count: int):
