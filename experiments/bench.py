@@ -121,19 +121,21 @@ def measure_strategy(args, name: str, devices, peak_timer, published_peak) -> di
                                              zip(hand_s, peaks, strict=True)])),
                    overhead_ratio=float(np.median(np.array(lib_s) / np.array(hand_s))))
         if args.profile:
-            row.update(profile_breakdown(lib, hand))
+            row.update(profile_breakdown(lib, hand, args.trace_dir))
     print("  " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                            for k, v in row.items() if not k.startswith("profile")), flush=True)
     return row
 
 
-def profile_breakdown(lib, hand) -> dict:
-    """Share of op time by kind (matmul, fusion, ...) in one traced step of each."""
+def profile_breakdown(lib, hand, keep_dir: Path | None = None) -> dict:
+    """Share of op time by kind (matmul, fusion, ...) in one traced step of each; with
+    ``keep_dir``, each trace and compiled HLO are kept there (``lib_*``, ``hand_*``)."""
     from bench_profile import profile_breakdown as breakdown
 
     out = {}
     for label, run in (("lib", lib), ("hand", hand)):
-        shares, top = breakdown(lambda r=run: (r.advance(), r.sync()), run.hlo)
+        keep = keep_dir / label if keep_dir else None
+        shares, top = breakdown(lambda r=run: (r.advance(), r.sync()), run.hlo, keep=keep)
         out[f"profile_{label}"] = {"shares": shares, "top": top}
     return out
 
@@ -222,6 +224,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peak-n", type=int, default=2048, help="n of the CPU peak matmul")
     parser.add_argument("--no-profile", dest="profile", action="store_false",
                         help="skip the traced step that says where the time goes")
+    parser.add_argument("--trace-dir", type=Path, default=None,
+                        help="keep the profiled steps' traces and compiled HLO here")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--devices", type=int, help=argparse.SUPPRESS)

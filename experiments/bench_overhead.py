@@ -61,7 +61,12 @@ def hand_written_loss(params: dict, tokens_bt, targets_bt, cfg) -> Any:
         h = jax.nn.gelu(jnp.einsum("btd,df->btf", h, p["mlp"]["w_in_df"]))
         return x + jnp.einsum("btf,fd->btd", h, p["mlp"]["w_out_fd"]), None
 
-    x, _ = jax.lax.scan(layer, x, params["blocks"])
+    blocks = params["blocks"]
+    if isinstance(blocks, dict) and blocks and all(isinstance(i, int) for i in blocks):
+        for i in sorted(blocks):  # model.scan_layers=false: one dict per layer, unrolled
+            x, _ = layer(x, blocks[i])
+    else:
+        x, _ = jax.lax.scan(layer, x, blocks)
     logits = jnp.einsum("btd,vd->btv", rms(x, params["final_norm"]["scale_d"]), w_vd)
     logits = logits.astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets_bt).mean()

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One GPU's figures for docs/results/gpu.md, in one run (under 3 minutes on an H200):
 #   1. model MFU on one GPU, beside the hand-written jax.jit step (bench.py): a ~350M GPT
-#      (d_model 1024, 24 layers) with each attention kernel and a ~1B one (d_model 2048, 16);
+#      (d_model 1024, 24 layers) with each attention kernel, an 806M one (d_model 2048, 16
+#      layers; its traced step and HLO kept in OUT_DIR/trace) and a 944M one (d_model 2560,
+#      12 layers);
 #   2. the attention kernels alone (xla, chunked, cudnn), bf16, forward + backward;
-#   3. KV-cache decode against the no-cache window path (decode_bench.py).
+#   3. KV-cache decode against the no-cache window path (decode_bench.py), two models.
 # Everything it prints also lands in $OUT_DIR (default experiments/results/gpu).
 #     bash experiments/gpu_suite.sh [OUT_DIR]        # QUICK=1: tiny sizes (checks the paths)
 set -uo pipefail
@@ -16,31 +18,37 @@ if [[ ${QUICK:-0} == 1 ]]; then
   seqs=128,256; shape=(--layers 2 --batch-size 2 --seq-len 128 --rounds 2 --steps-per-round 1)
   m350=(model.d_model=128 model.num_heads=2 model.d_ff=256 model.max_seq_len=128)
   m1b=(model.d_model=128 model.num_heads=2 model.d_ff=512 model.max_seq_len=128)
-  shape1b=("${shape[@]}"); kernels=xla,chunked; decode=(--model tiny --window 64 --long 24)
+  m944=("${m1b[@]}"); shape1b=("${shape[@]}"); shape944=("${shape[@]}"); kernels=xla,chunked
+  decode=(--model tiny --window 64 --long 24); decode2=(--model tiny --window 32 --long 12)
 else
   seqs=2048,4096,8192
   shape=(--layers 24 --batch-size 8 --seq-len 2048 --rounds 3 --steps-per-round 3)
   m350=(model.d_model=1024 model.num_heads=8 model.d_ff=4096 model.max_seq_len=2048)
   m1b=(model.d_model=2048 model.num_heads=16 model.d_ff=8192 model.max_seq_len=2048)
+  m944=(model.d_model=2560 model.num_heads=20 model.d_ff=10240 model.max_seq_len=2048)
   shape1b=(--layers 16 --batch-size 8 --seq-len 2048 --rounds 3 --steps-per-round 3)
+  shape944=(--layers 12 --batch-size 8 --seq-len 2048 --rounds 3 --steps-per-round 3)
   kernels=xla,chunked,cudnn; decode=(--model small --window 512)
+  decode2=(--model medium --window 1024)
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
   $py -c "import jax, jaxlib, flax, optax, sys; print('python', sys.version.split()[0], \
 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'optax', \
 optax.__version__); print(jax.devices())"; } 2>&1 | tee "$out/versions.txt"
-bench() {  # bench LABEL KERNEL SHAPE_ARRAY_NAME MODEL_ARRAY_NAME
+bench() {  # bench LABEL KERNEL SHAPE_ARRAY_NAME MODEL_ARRAY_NAME [bench.py options]
   local -n sh=$3 md=$4
   echo "== $1, attention.impl=$2" | tee -a "$out/bench.txt"
-  $py experiments/bench.py --device-counts 1 --precision bf16 --no-profile --depth '' \
+  $py experiments/bench.py --device-counts 1 --precision bf16 --depth '' "${@:5}" \
     "${sh[@]}" --set "${md[@]}" attention.impl=$2 --out "$out/$1_$2" 2>&1 | tee -a "$out/bench.txt"
 }
 first=${kernels##*,}   # the headline first (cudnn on a GPU), in case the run is cut short
-bench 350m "$first" shape m350
-bench 1b "$first" shape1b m1b
-for k in ${kernels//,/ }; do [[ $k == "$first" ]] || bench 350m "$k" shape m350; done
+bench 350m "$first" shape m350 --no-profile
+bench 1b "$first" shape1b m1b --trace-dir "$out/trace"   # where the time goes, per kernel
+bench 944m "$first" shape944 m944 --no-profile
+for k in ${kernels//,/ }; do [[ $k == "$first" ]] || bench 350m "$k" shape m350 --no-profile; done
 echo "== attention kernels alone" | tee "$out/attention.txt"
 $py experiments/attention_bench.py --kernels "$kernels" --dtype bfloat16 --heads 16 \
   --head-dim 128 --seq-lens "$seqs" 2>&1 | tee -a "$out/attention.txt"
 echo "== decode" | tee "$out/decode.txt"
 $py experiments/decode_bench.py "${decode[@]}" 2>&1 | tee -a "$out/decode.txt"
+$py experiments/decode_bench.py "${decode2[@]}" 2>&1 | tee -a "$out/decode.txt"

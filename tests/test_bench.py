@@ -5,6 +5,7 @@ well-formed CSV/Markdown/PNG, TensorBoard scalars read back equal the run's own 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import sys
 import time
@@ -26,6 +27,7 @@ from shardlib.run.loop import train
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "experiments"))
 import bench  # noqa: E402
+import bench_overhead  # noqa: E402
 import bench_profile  # noqa: E402
 import bench_report  # noqa: E402
 
@@ -126,6 +128,52 @@ def test_op_kinds_classify_compiled_hlo():
     kinds = bench_profile.op_kinds(compiled.as_text())
     assert "matmul" in kinds.values()
     assert set(kinds.values()) <= set(bench_profile.KINDS)
+
+
+def test_gpu_trace_is_read_by_kernel(tmp_path):
+    """A GPU step runs as one CUDA graph (one HLO op), so its kernels are classified by
+    name: cuBLAS and Triton GEMMs, cuDNN attention, scan copies, XLA fusions; host
+    events are left out."""
+    import gzip
+    import json
+
+    kernels = {"nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": ("matmul", 18.0),
+               "gemm_fusion_dot_21": ("matmul", 8.5),
+               "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": ("attention", 12.0),
+               "memcpy128": ("copy", 0.5),
+               "loop_dynamic_update_slice_fusion_5": ("copy", 2.5),
+               "loop_add_fusion_2": ("fusion", 5.5)}
+    events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": 7, "tid": 1, "ts": 0, "dur": 9e6, "name": "loop_add_fusion_2"}]
+    for twice in range(2):
+        events += [{"ph": "X", "pid": 1, "tid": 14, "ts": twice, "dur": ms * 1e3, "name": name,
+                    "args": {"hlo_op": "command_buffer_1"}}
+                   for name, (_, ms) in kernels.items()]
+    (tmp_path / "perfetto_trace.json.gz").write_bytes(
+        gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    seconds, kinds = bench_profile.trace_op_seconds(tmp_path, {"loop_add_fusion_2": "other"})
+    assert kinds == {name: kind for name, (kind, _) in kernels.items()}
+    assert seconds == pytest.approx({name: 2 * ms * 1e-3 for name, (_, ms) in kernels.items()})
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_hand_written_loss_is_shardlibs_loss(scan_layers):
+    """The hand-written step's model is shardlib's, with stacked (scanned) layers and
+    with one dict per layer (``model.scan_layers=false``)."""
+    from flax import nnx
+
+    from shardlib.train.objective import loss_fn
+    from shardlib.train.state import init_state
+
+    model = dataclasses.replace(get_preset("tiny"), scan_layers=scan_layers)
+    config = Config(mesh=MeshConfig(data=1), model=model,
+                    train=TrainConfig(batch_size=2, seq_len=32, data="synthetic"))
+    setup, batch = bench_overhead.make_setup(config, jax.devices()[:1])
+    params = init_state(setup, 0).params
+    hand = bench_overhead.hand_written_loss(nnx.to_pure_dict(params), batch["inputs"],
+                                            batch["targets"], config.model)
+    assert float(hand) == pytest.approx(float(loss_fn(setup, params, batch)), rel=1e-5)
 
 
 def test_tensorboard_scalars_profile_trace_and_summary(tmp_path):
