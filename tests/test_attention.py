@@ -14,6 +14,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -213,19 +214,39 @@ def test_auto_picks_cudnn_only_from_ampere(capability, picked):
 
 def test_manual_everywhere_inside_a_partly_manual_shard_map():
     """cuDNN's attention runs manual over every mesh axis (its custom partitioner fails
-    beside manual axes): inside explicit FSDP's shard_map the size-1 axes are added."""
+    beside manual axes): inside explicit FSDP's shard_map the size-1 axes are added. A
+    kernel with a custom VJP that keeps computed residuals (as cuDNN's keeps its softmax
+    statistics) differentiates there: q, k, v's gradients are the plain function's."""
     mesh, seen = make_mesh({"fsdp": 8}), []
 
-    def double(x):
+    @jax.custom_vjp
+    def kernel(q, k, v, scale):
         seen.append(set(jax.sharding.get_abstract_mesh().manual_axes))
-        return 2 * x
+        return jnp.sin(q) * k + v * scale
 
-    assert manual_everywhere(double) is double  # outside shard_map
-    step = jax.shard_map(lambda x: manual_everywhere(double)(x), mesh=mesh, in_specs=P("fsdp"),
-                         out_specs=P("fsdp"), axis_names={"fsdp"})
-    out = jax.jit(step)(jnp.arange(16.0))
+    def kernel_fwd(q, k, v, scale):
+        return kernel(q, k, v, scale), (jnp.cos(q) * k, jnp.sin(q), scale)
+
+    def kernel_bwd(saved, d_out):
+        dq, dk, scale = saved
+        return d_out * dq, d_out * dk, d_out * scale, None
+
+    kernel.defvjp(kernel_fwd, kernel_bwd)
+    assert manual_everywhere(kernel) is kernel  # outside shard_map
+
+    def loss(wrap, q, k, v, scale):
+        local = lambda q, k, v: jnp.sum(wrap(kernel)(q, k, v, scale) ** 2)[None]  # noqa: E731
+        return jax.shard_map(local, mesh=mesh, in_specs=(P("fsdp"),) * 3, out_specs=P("fsdp"),
+                             axis_names={"fsdp"})(q, k, v).sum()
+
+    q, k, v = (jnp.linspace(-1.0, 1.0, 16) + i for i in range(3))
+    scale = jnp.float32(0.5)
+    got = jax.jit(jax.grad(partial(loss, manual_everywhere), argnums=(0, 1, 2)))(q, k, v, scale)
     assert seen[-1] == set(mesh.axis_names)
-    np.testing.assert_array_equal(out, 2 * np.arange(16.0))
+    want = jax.grad(lambda q, k, v: jnp.sum((jnp.sin(q) * k + v * scale) ** 2),
+                    argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6)
 
 
 def test_cudnn_is_refused_before_ampere_and_wide_heads_before_hopper():

@@ -124,6 +124,24 @@ def test_auto_compiles_cudnn_attention_in_bf16_on_h100(mesh):
 
 
 @needs_cuda_plugin
+@pytest.mark.parametrize("model, mesh", [
+    ("small", "data=8"), ("small", "fsdp=8"), ("small", "data=2,fsdp=4"),
+    ("small", "data=2,tensor=4"), ("small", "data=2,sequence=4"),
+    ("moe-tiny", "data=2,expert=4")])
+def test_cudnn_attention_compiles_without_remat_on_every_mesh(model, mesh):
+    """The defaults a GPU user gets (``model.remat=none``, ``attention.impl=auto``: cuDNN)
+    compile on 8 H100s. Two ways this broke before: cuDNN's residuals leaving a shard_map
+    nested in explicit FSDP's partly manual one (jax lowers them with global shapes: an
+    MLIR verifier error), and a ``sequence`` split, which cuDNN's partitioner refuses
+    ("Query, key and value should have same sharding")."""
+    config = Config(mesh=parse_mesh(mesh), model=get_preset(model),
+                    train=TrainConfig(batch_size=16, seq_len=256))
+    ins = analyze(config, target="h100x8")
+    assert ins.setup.config.model.remat == "none" and ins.attention == "cudnn"
+    assert ins.kernels.cudnn_attention_calls > 0
+
+
+@needs_cuda_plugin
 def test_linear_is_the_plain_einsum_on_gpu():
     """``layers.linear``'s CPU form (a custom VJP) is for XLA CPU only."""
     x, w = jnp.ones((2, 4, 8)), jnp.ones((8, 16))

@@ -33,21 +33,20 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from shardlib.errors import ConfigError
+from shardlib.models import splash
 from shardlib.models.flash import chunked_attention
-from shardlib.models.splash import (
-    SPLASH_BLOCK,
-    interpreting,
-    partitioned_splash,
-)
-from shardlib.sharding import compute_capability, compute_platform
+from shardlib.models.splash import SPLASH_BLOCK, interpreting
+from shardlib.sharding import active_rules, compute_capability, compute_platform, logical_to_spec
 
 KERNELS = ("xla", "chunked", "cudnn", "splash", "auto")
 AUTO_CHUNKED_FROM = 1024  # auto: sequences at least this long use the chunked kernel
@@ -229,18 +228,68 @@ def cudnn_attention(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
     return manual_everywhere(call)(q_bthk, k_bsgk, v_bsgk, mask)
 
 
+def per_device(run: Callable, q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array,
+               segment_ids: jax.Array | None) -> jax.Array:
+    """``run(q, k, v, segment_ids=...)``, a kernel that XLA's partitioner cannot split (splash:
+    "Mosaic kernels cannot be automatically partitioned"; cuDNN's ``custom_partitioning``
+    refuses a sequence split: "Query, key and value should have same sharding"). Outside
+    any shard_map on a mesh of several devices it runs inside one manual over every axis:
+    batch and heads split as the activation rules say, the sequence whole (a ``sequence``
+    split is gathered at its boundary). Inside a shard_map q, k, v are already local."""
+    active, context = active_rules(), jax.sharding.get_abstract_mesh()
+    if active is None or active[0].devices.size == 1 or (not context.empty
+                                                         and context.manual_axes):
+        return run(q_bthk, k_bsgk, v_bsgk, segment_ids=segment_ids)
+    mesh, rules = active
+    sizes = dict(mesh.shape)
+    batch, _, heads = logical_to_spec(("act_batch", None, "act_heads"), rules, sizes,
+                                      name="attention q")
+    split = math.prod(sizes[a] for a in ((heads,) if isinstance(heads, str) else heads or ()))
+    kv_heads = heads if k_bsgk.shape[2] % split == 0 else None
+    args = (q_bthk, k_bsgk, v_bsgk) + (() if segment_ids is None else (segment_ids,))
+    specs = (P(batch, None, heads), P(batch, None, kv_heads), P(batch, None, kv_heads),
+             P(batch))[:len(args)]
+    body = lambda q, k, v, ids=None: run(q, k, v, segment_ids=ids)  # noqa: E731
+    return jax.shard_map(body, mesh=mesh, in_specs=specs,
+                         out_specs=P(batch, None, heads))(*args)
+
+
 def manual_everywhere(f: Callable) -> Callable:
-    """``f`` made manual over the mesh axes that an enclosing shard_map leaves automatic
-    (explicit FSDP's: manual over the batch axes, the others of size 1, so nothing moves).
-    cuDNN's attention is a ``custom_partitioning`` op, whose partitioner fails inside a
-    partly manual shard_map (jax 0.10: an AssertionError from XLA's compile)."""
+    """``f(q, k, v, *rest)`` made manual over the mesh axes that an enclosing shard_map
+    leaves automatic (explicit FSDP's: manual over the batch axes, the others of size 1,
+    so nothing moves); differentiable in q, k, v. cuDNN's attention is a
+    ``custom_partitioning`` op, whose partitioner fails inside a partly manual shard_map
+    (jax 0.10: an AssertionError from XLA's compile). Its backward runs in a nested
+    shard_map of its own, from q, k, v, so the backward runs cuDNN's forward again: a
+    custom VJP's residuals leaving a shard_map nested in a partly manual one are lowered
+    with global shapes (jax 0.10 and 0.12: an MLIR verifier error, "type of return operand
+    ... doesn't match function result type"). Making the outer shard_map manual over every
+    axis avoids that too, but the TPU compiler's peak then grows more per layer (fsdp=8:
+    2.78x the sharded state, not 2.45x)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or not mesh.manual_axes:
         return f
     auto = {axis for axis in mesh.axis_names if axis not in mesh.manual_axes}
     if not auto:
         return f
-    return jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=auto)
+    nested = lambda g: jax.shard_map(g, mesh=mesh, in_specs=P(), out_specs=P(),  # noqa: E731
+                                     axis_names=auto)
+
+    @jax.custom_vjp
+    def call(q, k, v, *rest):
+        return nested(f)(q, k, v, *rest)
+
+    def forward(q, k, v, *rest):
+        return call(q, k, v, *rest), (q, k, v, rest)
+
+    def backward(saved, d_out):
+        q, k, v, rest = saved
+        pullback = lambda q, k, v, rest, d: jax.vjp(  # noqa: E731
+            lambda q, k, v: f(q, k, v, *rest), q, k, v)[1](d)
+        return (*nested(pullback)(q, k, v, rest, d_out), *(None for _ in rest))
+
+    call.defvjp(forward, backward)
+    return call
 
 
 def attend(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
@@ -258,10 +307,10 @@ def attend(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
                                  segment_ids=segment_ids, block_q=chunk, block_k=chunk)
     if chosen == "splash":
         check_kernel(chosen, chunk, backend=backend)
-        return partitioned_splash(q_bthk, k_bsgk, v_bsgk, causal=causal,
-                                  segment_ids=segment_ids)
+        return per_device(partial(splash.splash_attention, causal=causal),
+                          q_bthk, k_bsgk, v_bsgk, segment_ids)
     if chosen == "cudnn":
         check_kernel(chosen, chunk, backend=backend, capability=capability)
-        return cudnn_attention(q_bthk, k_bsgk, v_bsgk, causal=causal, segment_ids=segment_ids,
-                               capability=capability)
+        return per_device(partial(cudnn_attention, causal=causal, capability=capability),
+                          q_bthk, k_bsgk, v_bsgk, segment_ids)
     return textbook_attention(q_bthk, k_bsgk, v_bsgk, causal=causal, segment_ids=segment_ids)

@@ -17,7 +17,7 @@ varies over; each input's cotangent over its input's axes), as jax's own
 
 Outside any shard_map (the steps left to XLA's partitioner: ``sequence`` or ``expert``
 meshes, ``mesh.explicit_collectives=false``) XLA cannot split a Mosaic kernel ("Mosaic
-kernels cannot be automatically partitioned"): ``partitioned_splash`` runs it in a
+kernels cannot be automatically partitioned"): ``attention.per_device`` runs it in a
 shard_map of its own, batch and heads split as the activation rules say, as MaxText does.
 
 ``interpreted()`` runs splash through Pallas' interpreter on any backend: the CPU tests
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 from collections.abc import Callable, Iterator
 
 import jax
@@ -42,7 +41,6 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 from jax.sharding import PartitionSpec as P
 
 from shardlib.errors import ConfigError
-from shardlib.sharding import active_rules, logical_to_spec
 
 SPLASH_BLOCK = 128  # splash's query / key block: the sequence must be a multiple of it
 
@@ -98,31 +96,6 @@ def splash_attention(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
         return jax.vmap(per_row)(q_bhtk, k_bhsk, v_bhsk, ids_bt)
 
     return jnp.swapaxes(vma_typed(rows, q_bhtk, k_bhsk, v_bhsk, ids_bt), 1, 2)
-
-
-def partitioned_splash(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
-                       causal: bool = True, segment_ids: jax.Array | None = None
-                       ) -> jax.Array:
-    """``splash_attention``; outside any shard_map on a mesh of several devices, inside
-    one manual over every axis: batch and heads split as the activation rules say, the
-    sequence whole (a ``sequence`` split is gathered at its boundary)."""
-    run = lambda q, k, v, ids: splash_attention(q, k, v, causal=causal,  # noqa: E731
-                                                segment_ids=ids)
-    active, context = active_rules(), jax.sharding.get_abstract_mesh()
-    if active is None or active[0].devices.size == 1 or (not context.empty
-                                                         and context.manual_axes):
-        return run(q_bthk, k_bsgk, v_bsgk, segment_ids)
-    mesh, rules = active
-    sizes = dict(mesh.shape)
-    batch, _, heads = logical_to_spec(("act_batch", None, "act_heads"), rules, sizes,
-                                      name="splash attention q")
-    split = math.prod(sizes[a] for a in ((heads,) if isinstance(heads, str) else heads or ()))
-    kv_heads = heads if k_bsgk.shape[2] % split == 0 else None
-    ids = jnp.zeros(q_bthk.shape[:2], jnp.int32) if segment_ids is None else segment_ids
-    return jax.shard_map(run, mesh=mesh, out_specs=P(batch, None, heads),
-                         in_specs=(P(batch, None, heads), P(batch, None, kv_heads),
-                                   P(batch, None, kv_heads), P(batch)),
-                         )(q_bthk, k_bsgk, v_bsgk, ids)
 
 
 # --- a Pallas kernel inside a shard_map that checks varying axes ------------------------
