@@ -280,7 +280,7 @@ def manual_everywhere(f: Callable) -> Callable:
         return nested(f)(q, k, v, *rest)
 
     def forward(q, k, v, *rest):
-        return call(q, k, v, *rest), (q, k, v, rest)
+        return nested(f)(q, k, v, *rest), (q, k, v, rest)
 
     def backward(saved, d_out):
         q, k, v, rest = saved
