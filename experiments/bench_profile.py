@@ -104,16 +104,21 @@ def kernel_kind(name: str) -> str:
     return "fusion"
 
 
+def newest_trace(trace_dir: str | Path) -> Path:
+    """The newest ``perfetto_trace.json.gz`` under ``trace_dir``."""
+    traces = sorted(Path(trace_dir).glob("**/perfetto_trace.json.gz"))
+    if not traces:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
+    return traces[-1]
+
+
 def trace_op_seconds(trace_dir: str | Path, kinds: dict[str, str]
                      ) -> tuple[Counter, dict[str, str]]:
     """(seconds per op, kind per op) from the newest perfetto trace under ``trace_dir``.
     A GPU trace's ops are its kernels, named and classified by kernel name (a CUDA graph
     runs the whole step as one HLO op, so ``kinds`` is not used); on CPU each event is
     named after its HLO instruction and takes that instruction's kind from ``kinds``."""
-    traces = sorted(Path(trace_dir).glob("**/perfetto_trace.json.gz"))
-    if not traces:
-        raise FileNotFoundError(f"no perfetto_trace.json.gz under {trace_dir}")
-    data = json.loads(gzip.decompress(traces[-1].read_bytes()))
+    data = json.loads(gzip.decompress(newest_trace(trace_dir).read_bytes()))
     events = data["traceEvents"] if isinstance(data, dict) else data
     gpus = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") ==
             "process_name" and str(e.get("args", {}).get("name", "")).startswith("/device:GPU")}
@@ -147,8 +152,7 @@ def profile_breakdown(run_steps: Callable[[], None], hlo_text: str,
     seconds, kinds = trace_op_seconds(trace_dir, op_kinds(hlo_text))
     if keep is not None:
         keep.parent.mkdir(parents=True, exist_ok=True)
-        newest = sorted(Path(trace_dir).glob("**/perfetto_trace.json.gz"))[-1]
-        shutil.copyfile(newest, f"{keep}_trace.json.gz")
+        shutil.copyfile(newest_trace(trace_dir), f"{keep}_trace.json.gz")
         Path(f"{keep}_hlo.txt").write_text(hlo_text)
     by_kind = Counter()
     for name, sec in seconds.items():
