@@ -237,6 +237,11 @@ def test_memory_traffic_ranks_remat_where_bandwidth_is_scarce():
     assert step["none", "flops"] < step["dots", "flops"]
     est = search.analytic(small, cand("none", data=8), cpu_like, 2**40).estimate
     assert est.traffic_s == pytest.approx(traffic["none"] / 2e9)
+    fresh = dataclasses.replace(cpu_like, fresh_byte_s=2e-9)  # + the working memory, once
+    scored = search.analytic(small, cand("none", data=8), fresh, 2**40)
+    working = scored.figures.memory_bytes - scored.figures.state_bytes
+    assert 0 < scored.figures.state_bytes < scored.figures.memory_bytes
+    assert scored.estimate.traffic_s == pytest.approx(traffic["none"] / 2e9 + working * 2e-9)
 
 
 def test_links_follow_the_mesh_layout():
@@ -255,6 +260,7 @@ def test_cpu_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     first = profiles.cpu_profile()
     assert first.flops("float32") > 1e6 and first.intra.bandwidth > 1e6
     assert first.intra.latency >= 0 and not first.overlap and first.memory_bandwidth > 1e6
+    assert 0 <= first.fresh_byte_s < 1e-6  # seconds per byte: ns on a CPU host
     monkeypatch.setattr(profiles, "measure_cpu", lambda *a, **k: pytest.fail("re-measured"))
     assert profiles.cpu_profile() == first
 
@@ -262,9 +268,11 @@ def test_cpu_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
 def test_a_profile_measured_on_a_busy_host_is_measured_again_when_idle(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDLIB_CACHE", str(tmp_path))
     readings = iter([{"peak_flops": 9e9, "bandwidth": 1e9, "latency": 1e-5,
-                      "memory_bandwidth": 4e8, "load_average": 7.5, "cores": 2},
+                      "memory_bandwidth": 4e8, "fresh_byte_s": 3e-9, "load_average": 7.5,
+                      "cores": 2},
                      {"peak_flops": 20e9, "bandwidth": 0.9e9, "latency": 2e-5,
-                      "memory_bandwidth": 8e8, "load_average": 0.2, "cores": 2}])
+                      "memory_bandwidth": 8e8, "fresh_byte_s": 4e-9, "load_average": 0.2,
+                      "cores": 2}])
     monkeypatch.setattr(profiles, "measure_cpu", lambda devices: next(readings))
     monkeypatch.setattr(profiles, "host_load", lambda: {"load_average": 7.5, "cores": 2})
     with pytest.warns(RuntimeWarning, match=r"busy \(load average 7.5 on 2 cores\)"):
@@ -275,18 +283,20 @@ def test_a_profile_measured_on_a_busy_host_is_measured_again_when_idle(tmp_path,
     idle = profiles.cpu_profile()  # idle now: measured again, each figure at its best
     assert idle.flops("float32") == 20e9 and idle.intra.bandwidth == 1e9
     assert idle.intra.latency == 1e-5 and idle.memory_bandwidth == 8e8
+    assert idle.fresh_byte_s == 3e-9  # a cost: the least of the readings
     assert profiles.cpu_profile() == idle  # a quiet reading is kept
     assert next(readings, None) is None
 
 
 def test_least_disturbed_takes_each_figure_at_its_best():
     quiet = {"peak_flops": 20e9, "bandwidth": 1.1e9, "latency": 2e-5,
-             "memory_bandwidth": 8e8, "load_average": 0.3, "cores": 2}
+             "memory_bandwidth": 8e8, "fresh_byte_s": 2e-9, "load_average": 0.3, "cores": 2}
     loaded = {"peak_flops": 9e9, "bandwidth": 1.6e9, "latency": 1e-5,
-              "memory_bandwidth": 4e8, "load_average": 7.0, "cores": 2}
+              "memory_bandwidth": 4e8, "fresh_byte_s": 3e-9, "load_average": 7.0, "cores": 2}
     best = profiles.least_disturbed([loaded, quiet])
     assert best == {"peak_flops": 20e9, "bandwidth": 1.6e9, "latency": 1e-5,
-                    "memory_bandwidth": 8e8, "load_average": 0.3, "cores": 2}
+                    "memory_bandwidth": 8e8, "fresh_byte_s": 2e-9, "load_average": 0.3,
+                    "cores": 2}
     assert profiles.busy(loaded) and not profiles.busy(best)
 
 

@@ -11,6 +11,7 @@ Step time, with the overlap assumptions stated:
 
     compute  = FLOPs per device / (peak FLOP/s x efficiency)
                + memory traffic / memory bandwidth
+               + working memory x fresh-byte cost (``working_memory``; CPU only)
                (pipelined: divided by 1 - bubble, ``planner.pipeline``)
     comm(g)  = bytes(g) / bandwidth(link of g) + hops(g) x latency(link of g)
     weights  = sum of comm(g) over groups g spanning only batch axes (data, fsdp):
@@ -27,7 +28,10 @@ microbatch materialises (a layer's working set, rebuilt under remat, is used whi
 in cache), and the optimizer's elementwise pass over the local state. On an accelerator
 that term is small; on simulated CPU devices, which share one host's memory bandwidth, it
 decides the ranking: remat ``dots`` runs 1.6-2x faster than no remat there (small model,
-8 devices), although it computes more.
+8 devices), although it computes more. There a step's working memory (its peak minus
+params and optimizer state) costs more again: the CPU profile measures what writing a
+freshly allocated buffer costs per byte over writing in place (``fresh_byte_s``, 2.3 ns
+on a 2-core host) and the model charges each step's working memory once at that price.
 """
 
 from __future__ import annotations
@@ -135,6 +139,7 @@ def predict(figures: Figures, cand: Candidate, profile: DeviceProfile,
     """Step time of ``figures`` on ``profile`` (see the module docstring)."""
     traffic = (figures.traffic_bytes / profile.memory_bandwidth
                if profile.memory_bandwidth else 0.0)
+    traffic += working_memory(figures) * profile.fresh_byte_s
     compute = figures.flops / (profile.flops(compute_dtype) * profile.compute_efficiency)
     compute += traffic
     if figures.bubble:  # pipelined: every stage idles this fraction of the step
@@ -155,6 +160,12 @@ def predict(figures: Figures, cand: Candidate, profile: DeviceProfile,
     else:
         step = compute + weights + exposed
     return Estimate(step, compute, weights, exposed, per_group, traffic)
+
+
+def working_memory(figures: Figures) -> int:
+    """Bytes of a step's peak beyond its params and optimizer state: the buffers its
+    executable allocates afresh each step (activations, gradients, gathered weights)."""
+    return max(figures.memory_bytes - figures.state_bytes, 0)
 
 
 # --------------------------------------------------------------------------- FLOPs
@@ -339,6 +350,11 @@ def memory_traffic(config: Config, cand: Candidate, compute_bytes: int,
                  + gathered_traffic(config, cand, gather_bytes))
     update = OPTIMIZER_PASSES * _state_bytes(config, cand.degrees) / 3
     return round(2 * cand.microbatches * per_micro + update)
+
+
+def analytic_state(config: Config, cand: Candidate) -> int:
+    """Params and optimizer state per device (``Figures.state_bytes`` of an estimate)."""
+    return _state_bytes(config, cand.degrees)
 
 
 @functools.lru_cache(maxsize=4096)

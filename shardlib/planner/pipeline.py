@@ -163,8 +163,9 @@ def figures(config: Config, cand: Candidate, compute_bytes: int, gather_bytes: i
     step runs on (``cand.resolved``)."""
     run = cand.apply(config)
     terms = comm_terms(run, cand.degrees, gather_bytes)
-    return Figures(flops(config, cand), comm(run, cand, terms),
-                   peak(run, cand, compute_bytes, gather_bytes, platform).total, "analytic",
+    memory = peak(run, cand, compute_bytes, gather_bytes, platform)
+    return Figures(flops(config, cand), comm(run, cand, terms), memory.total, "analytic",
+                   state_bytes=memory.state,
                    traffic_bytes=traffic(run, cand, compute_bytes, gather_bytes),
                    bubble=schedule_for(config, cand).theory_bubble())
 

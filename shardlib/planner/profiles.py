@@ -58,6 +58,9 @@ class DeviceProfile:
     overlap_tax: float = 0.1  # fraction of overlapped collective time still paid
     native_reduce_scatter: bool = True  # False on XLA CPU: all-reduce + slice, 2x bytes
     memory_bandwidth: float = 0.0  # bytes/s to the device's own memory (0: not modelled)
+    # seconds per byte of a step's working memory (peak minus state): what writing into a
+    # freshly allocated buffer costs over writing in place (measured on CPU; 0 elsewhere)
+    fresh_byte_s: float = 0.0
     source: str = "preset"
     platform: str = "gpu"  # gpu | tpu | cpu: precision auto's dtypes, the memory model's terms
 
@@ -209,7 +212,7 @@ def cpu_profile(*, refresh: bool = False) -> DeviceProfile:
     path = cache_dir() / "cpu_profiles.json"
     cached = _read_json(path)
     entry = cached.get(key, {})
-    known = "memory_bandwidth" in entry and not refresh
+    known = "fresh_byte_s" in entry and not refresh  # older entries lack a figure
     if known and (not busy(entry) or busy(host_load())):
         return profile_from_measurement(entry, len(devices))  # quiet, or no quieter now
     measured = measure_cpu(devices)
@@ -247,6 +250,7 @@ def least_disturbed(measurements: Iterable[Mapping[str, float]]) -> dict[str, fl
     ms = list(measurements)
     out = {k: max(m[k] for m in ms) for k in ("peak_flops", "bandwidth", "memory_bandwidth")}
     out["latency"] = min(m["latency"] for m in ms)
+    out["fresh_byte_s"] = min(m.get("fresh_byte_s", 0.0) for m in ms)
     out["load_average"] = min(m.get("load_average", 0.0) for m in ms)
     out["cores"] = ms[0].get("cores", os.cpu_count() or 1)
     return out
@@ -267,6 +271,7 @@ def profile_from_measurement(m: Mapping[str, float], num_devices: int) -> Device
     return DeviceProfile("cpu", {"float32": m["peak_flops"]}, memory, num_devices, link, link,
                          compute_efficiency=1.0, overlap=False, overlap_tax=0.0,
                          native_reduce_scatter=False, memory_bandwidth=m["memory_bandwidth"],
+                         fresh_byte_s=m.get("fresh_byte_s", 0.0),
                          source=f"measured on {num_devices} simulated CPU devices", platform="cpu")
 
 
@@ -288,11 +293,12 @@ def measure_cpu(devices: list, size: int = 384, gather_bytes: int = 2**21,
     """Per-device matmul FLOP/s and memory bandwidth (an elementwise pass over
     ``stream_bytes``, read and written) with every device busy at once; all-gather
     bandwidth and per-hop latency between the simulated devices (bytes *sent* per device
-    / time). The elementwise pass writes a fresh buffer, as a step's activations do, and
-    pays its page faults: on a 2-core host 0.6-1.3 GB/s per device, against 6 GB/s in
-    place. One reading can be 2x slow on an idle host (11.9 against 22.7 GFLOP/s,
-    minutes apart): ``least_disturbed`` combines several. Also the host's load average
-    before it started (``busy``)."""
+    / time). The elementwise pass writes a fresh buffer, as a step's activations do: on a
+    2-core host 0.6-1.3 GB/s per device, against 6-11 GB/s for the same pass in place
+    (input donated); the difference per byte written is ``fresh_byte_s`` (2.3 ns there),
+    what the cost model charges a step's working memory. One reading can be 2x slow on an
+    idle host (11.9 against 22.7 GFLOP/s, minutes apart): ``least_disturbed`` combines
+    several. Also the host's load average before it started (``busy``)."""
     load = host_load()  # before ours: other work's load only
     import jax
     import jax.numpy as jnp
@@ -307,8 +313,9 @@ def measure_cpu(devices: list, size: int = 384, gather_bytes: int = 2**21,
     per_device = min(stream_bytes, 2**30 // n)  # at most 1 GiB in all, however many devices
     stream = jax.device_put(jnp.ones((n, per_device // 4), jnp.float32), spec)
     scale = jax.jit(lambda v: v * 1.0001, out_shardings=spec)
-    memory_bandwidth = 2 * per_device / _best_time(scale, stream)
-    del stream
+    fresh_s = _best_time(scale, stream)
+    memory_bandwidth = 2 * per_device / fresh_s
+    fresh_byte_s = max(fresh_s - _in_place_time(scale, stream), 0.0) / per_device
     rows = gather_bytes // 4 // 256
     x = jax.device_put(jnp.ones((n * rows, 256), jnp.float32), spec)
     gather = jax.jit(jax.shard_map(lambda v: jax.lax.all_gather(v, "d", tiled=True) * 1.0,
@@ -320,7 +327,21 @@ def measure_cpu(devices: list, size: int = 384, gather_bytes: int = 2**21,
     chain = [_best_time(_psum_chain(mesh, k), tiny) for k in (1, 33)]
     latency = max(chain[1] - chain[0], 0.0) / 32 / max(2 * (n - 1), 1)
     return {"peak_flops": peak, "bandwidth": bandwidth, "latency": latency,
-            "memory_bandwidth": memory_bandwidth, **load}
+            "memory_bandwidth": memory_bandwidth, "fresh_byte_s": fresh_byte_s, **load}
+
+
+def _in_place_time(fn, x, reps: int = 5) -> float:
+    """``_best_time`` of ``fn`` writing into its donated input (``x`` is consumed)."""
+    import jax
+
+    in_place = jax.jit(fn, donate_argnums=0)
+    x = jax.block_until_ready(in_place(x))
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        x = jax.block_until_ready(in_place(x))
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _psum_chain(mesh, count: int):

@@ -37,6 +37,7 @@ from shardlib.planner.cost import (
     Figures,
     analytic_comm,
     analytic_memory,
+    analytic_state,
     compiled_comm,
     cross_compile_memory,
     flops_per_device,
@@ -139,8 +140,9 @@ def analytic(config: Config, cand: Candidate, profile: DeviceProfile, budget: in
     figures = Figures(flops_per_device(config, run), comm,
                       analytic_memory(config, run, dt.compute_bytes, dt.gather_bytes,
                                       profile.platform),
-                      "analytic", traffic_bytes=memory_traffic(
-                          config, run, dt.compute_bytes, dt.gather_bytes))
+                      "analytic", state_bytes=analytic_state(config, run),
+                      traffic_bytes=memory_traffic(config, run, dt.compute_bytes,
+                                                   dt.gather_bytes))
     return Scored(cand, figures, predict(figures, run, profile, dt.compute),
                   verdict(figures.memory_bytes, budget, exact=False))
 
