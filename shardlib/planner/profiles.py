@@ -245,8 +245,8 @@ def busy(measured: Mapping[str, float]) -> bool:
 
 def least_disturbed(measurements: Iterable[Mapping[str, float]]) -> dict[str, float]:
     """Several measurements of one host as one: each figure at its best (the most FLOP/s
-    and bandwidth, the least latency), the reading least slowed by other load, as step
-    timings take their fastest pass."""
+    and bandwidth, the least latency and fresh-buffer cost), the reading least slowed by
+    other load, as step timings take their fastest pass."""
     ms = list(measurements)
     out = {k: max(m[k] for m in ms) for k in ("peak_flops", "bandwidth", "memory_bandwidth")}
     out["latency"] = min(m["latency"] for m in ms)
@@ -330,18 +330,17 @@ def measure_cpu(devices: list, size: int = 384, gather_bytes: int = 2**21,
             "memory_bandwidth": memory_bandwidth, "fresh_byte_s": fresh_byte_s, **load}
 
 
-def _in_place_time(fn, x, reps: int = 5) -> float:
+def _in_place_time(fn, x) -> float:
     """``_best_time`` of ``fn`` writing into its donated input (``x`` is consumed)."""
     import jax
 
-    in_place = jax.jit(fn, donate_argnums=0)
-    x = jax.block_until_ready(in_place(x))
-    best = math.inf
-    for _ in range(reps):
-        start = time.perf_counter()
-        x = jax.block_until_ready(in_place(x))
-        best = min(best, time.perf_counter() - start)
-    return best
+    in_place, latest = jax.jit(fn, donate_argnums=0), [x]
+
+    def step():
+        latest[0] = in_place(latest[0])
+        return latest[0]
+
+    return _best_time(step)
 
 
 def _psum_chain(mesh, count: int):
