@@ -265,6 +265,24 @@ def test_cpu_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert profiles.cpu_profile() == first
 
 
+def test_a_cached_profile_without_the_fresh_buffer_cost_is_measured_again(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setenv("SHARDLIB_CACHE", str(tmp_path))
+    monkeypatch.setattr(profiles, "host_load", lambda: {"load_average": 0.2, "cores": 2})
+    old = {"peak_flops": 9e9, "bandwidth": 1e9, "latency": 1e-5, "memory_bandwidth": 4e8,
+           "load_average": 0.2, "cores": 2}  # an idle reading from before fresh_byte_s
+    monkeypatch.setattr(profiles, "measure_cpu", lambda devices: old)
+    profiles.cpu_profile()
+    cache = json.loads((tmp_path / "cpu_profiles.json").read_text())
+    ((key, entry),) = cache.items()
+    assert "fresh_byte_s" not in entry
+    now = {**old, "peak_flops": 20e9, "fresh_byte_s": 2e-9}
+    monkeypatch.setattr(profiles, "measure_cpu", lambda devices: now)
+    again = profiles.cpu_profile()
+    assert again.fresh_byte_s == 2e-9 and again.flops("float32") == 20e9
+    assert "fresh_byte_s" in json.loads((tmp_path / "cpu_profiles.json").read_text())[key]
+
+
 def test_a_profile_measured_on_a_busy_host_is_measured_again_when_idle(tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDLIB_CACHE", str(tmp_path))
     readings = iter([{"peak_flops": 9e9, "bandwidth": 1e9, "latency": 1e-5,
