@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One GPU's figures for docs/results/gpu.md, in one run (under 3 minutes on an H200):
+# One GPU's figures for docs/results/gpu.md, in one run (about 4 minutes on an H200):
 #   1. model MFU on one GPU, beside the hand-written jax.jit step (bench.py): a ~350M GPT
 #      (d_model 1024, 24 layers) with each attention kernel, an 806M one (d_model 2048, 16
-#      layers; its traced step and HLO kept in OUT_DIR/trace) and a 944M one (d_model 2560,
-#      12 layers);
+#      layers; its traced step and HLO kept in OUT_DIR/trace; again with remat dots and
+#      with its layers unrolled) and a 944M one (d_model 2560, 12 layers);
 #   2. the attention kernels alone (xla, chunked, cudnn), bf16, forward + backward;
 #   3. KV-cache decode against the no-cache window path (decode_bench.py), two models.
 # Everything it prints also lands in $OUT_DIR (default experiments/results/gpu).
@@ -45,6 +45,9 @@ first=${kernels##*,}   # the headline first (cudnn on a GPU), in case the run is
 bench 350m "$first" shape m350 --no-profile
 bench 1b "$first" shape1b m1b --trace-dir "$out/trace"   # where the time goes, per kernel
 bench 944m "$first" shape944 m944 --no-profile
+# what the 806M step keeps: remat dots, and layers unrolled (no stacked buffers)
+bench 1b_dots "$first" shape1b m1b --no-profile --set model.remat=dots
+bench 1b_unrolled "$first" shape1b m1b --no-profile --set model.scan_layers=false
 for k in ${kernels//,/ }; do [[ $k == "$first" ]] || bench 350m "$k" shape m350 --no-profile; done
 echo "== attention kernels alone" | tee "$out/attention.txt"
 $py experiments/attention_bench.py --kernels "$kernels" --dtype bfloat16 --heads 16 \
