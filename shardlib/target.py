@@ -5,9 +5,11 @@ real TPU or GPU compiler builds for from any host, CPU included. Nothing is allo
 (per-chip memory, its collectives, Mosaic / Triton kernels) and nothing can run there.
 
 Cloud TPU accelerator types count TensorCores for v4 and v5p (two per chip: ``v5p-128`` is
-64 chips) and chips for v5e and v6e (``v5litepod-16`` is 16 chips). libtpu's compile-only
-v4 topology has one JAX device per TensorCore (no megacore), so a v4 device holds half a
-chip's HBM; v5p's megacore makes one device per chip.
+64 chips) and chips for v5e and v6e (``v5litepod-16`` is 16 chips). The compile-only
+topology is the slice JAX runs on: v4 and v5p in megacore mode (one device per chip, as on
+a TPU VM), and with the wraparound links a slice of that shape has (``torus_wrap``):
+without them the compiler builds for an open grid, where a 64-way all-gather becomes an
+all-reduce of a zero-padded buffer.
 """
 
 from __future__ import annotations
@@ -34,18 +36,16 @@ class Chip:
 
     name: str  # v5p, h100, ...
     platform: str  # tpu | gpu
-    hbm_bytes: int  # per JAX device (a v4 TensorCore holds half its chip's 32 GiB)
+    hbm_bytes: int  # per JAX device
     peak_bf16: float  # dense FLOP/s per JAX device
     profile: str  # the planner's DeviceProfile preset
     cores_per_chip: int = 1  # TensorCores the accelerator type counts per chip (v4, v5p: 2)
-    devices_per_chip: int = 1  # JAX devices per chip in the compile-only topology
     torus_dims: int = 2  # 3 for v4 / v5p
     compute_capability: tuple[int, int] | None = None  # GPUs: CUDA's sm_XY as (X, Y)
 
 
 TPU_CHIPS: dict[str, Chip] = {
-    "v4": Chip("v4", "tpu", 16 * GIB, 275e12 / 2, "v4", cores_per_chip=2, devices_per_chip=2,
-               torus_dims=3),
+    "v4": Chip("v4", "tpu", 32 * GIB, 275e12, "v4", cores_per_chip=2, torus_dims=3),
     "v5p": Chip("v5p", "tpu", 95 * GIB, 459e12, "v5p", cores_per_chip=2, torus_dims=3),
     "v5e": Chip("v5e", "tpu", 16 * GIB, 197e12, "v5e"),
     "v6e": Chip("v6e", "tpu", 32 * GIB, 918e12, "v6e"),
@@ -80,7 +80,7 @@ class Target:
 
     @property
     def num_devices(self) -> int:
-        return self.num_chips * self.chip.devices_per_chip
+        return self.num_chips  # megacore on v4 / v5p: one JAX device per chip
 
     @property
     def hbm_bytes(self) -> int:
@@ -92,10 +92,8 @@ class Target:
         return list(_devices(self.platform, self.chip.name, self.topology))
 
     def describe(self) -> str:
-        per = f", {self.chip.devices_per_chip} devices per chip" \
-            if self.chip.devices_per_chip > 1 else ""
         return (f"target {self.name}: {self.num_chips} {self.chip.name} chips "
-                f"({self.topology}{per}), {self.hbm_bytes / GIB:.0f} GiB per device")
+                f"({self.topology}), {self.hbm_bytes / GIB:.0f} GiB per device")
 
 
 def parse_target(name: str) -> Target:
@@ -200,4 +198,18 @@ def _tpu_devices(topology: str) -> tuple[jax.Device, ...]:
                           "the extra: pip install -e \".[tpu]\" (jax[tpu] at the installed "
                           "jax's version)")
     quiet_libtpu()
-    return tuple(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
+    dims = tuple(int(d) for d in topology.split(":")[1].split("x"))
+    megacore = {"chip_config_name": "megacore"} if len(dims) == 3 else {}
+    return tuple(topologies.get_topology_desc(platform="tpu", topology_name=topology,
+                                              wrap=torus_wrap(dims), **megacore).devices)
+
+
+def torus_wrap(dims: tuple[int, ...]) -> tuple[bool, bool, bool]:
+    """Which axes of a slice of ``dims`` chips have wraparound links, as Cloud TPU wires
+    them: a 3D slice (v4, v5p) made of whole 4x4x4 cubes is a torus on every axis, a
+    smaller one an open grid; a 2D slice (v5e, v6e) wraps an axis that spans the whole
+    16-chip pod side."""
+    if len(dims) == 3:
+        return (all(d % 4 == 0 for d in dims),) * 3
+    wrap = tuple(d == 16 for d in dims)
+    return (*wrap, False)

@@ -35,7 +35,7 @@ from shardlib.models import get_preset
 from shardlib.models.attention import using_kernel
 from shardlib.parallel import context
 from shardlib.sharding import compiling_for, make_rules
-from shardlib.target import parse_target, torus_shape
+from shardlib.target import parse_target, torus_shape, torus_wrap
 from tests.helpers import tiny_config
 from tests.test_fsdp_memory import DEEP, GROWTH_LIMIT, SHALLOW, config_for
 
@@ -50,7 +50,7 @@ needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
     ("v5p-8", 4, 4, "v5p:2x2x1", 95),
     ("v5litepod-16", 16, 16, "v5e:4x4", 16),  # v5e counts chips
     ("v6e-64", 64, 64, "v6e:8x8", 32),
-    ("v4-32", 16, 32, "v4:2x2x4", 16),  # libtpu's v4: one device per TensorCore
+    ("v4-32", 16, 16, "v4:2x2x4", 32),  # megacore, as JAX runs a v4: one device per chip
     ("v5e:2x4", 8, 8, "v5e:2x4", 16),
     ("v5p:4x4x8", 128, 128, "v5p:4x4x8", 95),
     ("h100x8", 8, 8, "1x1x8", 79),  # 79.1 GiB: what XLA's H100 target config reports
@@ -78,6 +78,29 @@ def test_torus_shapes_double_the_last_smallest_dim():
     assert [torus_shape(n, 3) for n in (4, 8, 16, 32, 64, 128, 256)] == [
         "2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8"]
     assert [torus_shape(n, 2) for n in (1, 4, 8, 16, 32)] == ["1x1", "2x2", "2x4", "4x4", "4x8"]
+
+
+def test_whole_cubes_and_whole_pod_sides_wrap_around():
+    assert torus_wrap((4, 4, 4)) == torus_wrap((4, 8, 8)) == (True, True, True)
+    assert torus_wrap((2, 4, 4)) == torus_wrap((2, 2, 1)) == (False, False, False)
+    assert torus_wrap((16, 16)) == (True, True, False)
+    assert torus_wrap((8, 16)) == (False, True, False)
+    assert torus_wrap((2, 4)) == (False, False, False)
+
+
+@needs_libtpu
+def test_a_slice_wide_fsdp_gather_is_a_native_all_gather_on_the_torus():
+    """On v5p-128 (a 4x4x4 torus) a weight gathered over all 64 chips compiles to one
+    all-gather only with the slice's wraparound links and its devices laid out along the
+    torus; without either the compiler emits an all-reduce of a zero-padded copy."""
+    mesh = make_mesh({"fsdp": 64}, parse_target("v5p-128").devices())
+    weight = jax.ShapeDtypeStruct((4096, 1024), jnp.bfloat16,
+                                  sharding=NamedSharding(mesh, PartitionSpec("fsdp")))
+    hlo = jax.jit(lambda w: w * 2, out_shardings=NamedSharding(mesh, PartitionSpec())
+                  ).lower(weight).compile().as_text()
+    kinds = [op for op in ("all-gather", "all-reduce") if f" {op}(" in hlo or
+             f" {op}-start(" in hlo]
+    assert kinds == ["all-gather"]
 
 
 # ----------------------------------------------------------------------------- strategies

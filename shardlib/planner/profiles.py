@@ -121,19 +121,9 @@ PRESETS: dict[str, DeviceProfile] = {
 
 
 def target_profile(target: Target) -> DeviceProfile:
-    """The preset of ``target``'s chip, per JAX device of the target: its HBM, and a
-    chip's FLOP/s, memory bandwidth and links shared by its devices (v4: 2 TensorCores)."""
-    base, share = PRESETS[target.chip.profile], target.chip.devices_per_chip
-    if share == 1:
-        return dataclasses.replace(base, memory_bytes=target.hbm_bytes,
-                                   source=f"preset, target {target.name}")
-    return dataclasses.replace(
-        base, peak_flops={k: v / share for k, v in base.peak_flops.items()},
-        memory_bytes=target.hbm_bytes, memory_bandwidth=base.memory_bandwidth / share,
-        node_size=base.node_size * share,
-        intra=Link(base.intra.bandwidth / share, base.intra.latency),
-        inter=Link(base.inter.bandwidth / share, base.inter.latency),
-        source=f"preset per device ({share} per chip), target {target.name}")
+    """The preset of ``target``'s chip (one JAX device per chip) with the target's HBM."""
+    return dataclasses.replace(PRESETS[target.chip.profile], memory_bytes=target.hbm_bytes,
+                               source=f"preset, target {target.name}")
 
 
 def link_for(profile: DeviceProfile, sizes: Mapping[str, int], axes: Iterable[str]) -> Link:
