@@ -5,8 +5,9 @@ Three fp32 AdamW steps of the tiny GPT on each mesh give the single-device losse
 error in norm). Per-element comparison would be wrong for Adam: a gradient that is ~0
 can flip sign under a different reduction order and move one element by lr.
 The gradients are also held to one device with the chunked (flash) attention kernel on
-every mesh, and with TPU splash attention (Pallas' interpreter, T=128: splash's block)
-inside the explicit FSDP and FSDP + TP steps' shard_map and under XLA's partitioner.
+every mesh, under ``model.remat=dots`` on every mesh, and with TPU splash attention
+(Pallas' interpreter, T=128: splash's block) inside the explicit FSDP and FSDP + TP
+steps' shard_map and under XLA's partitioner.
 """
 
 import dataclasses
@@ -89,6 +90,17 @@ def test_loss_chunks_gradients_match_single_device(name, reference_grads):
     errors = {path: relative_error(grads[path], ref_grads[path]) for path in ref_grads}
     worst = max(errors, key=errors.get)
     assert errors[worst] <= TOL, f"{worst}: relative error {errors[worst]:.2e}"
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_dots_remat_gradients_match_single_device(name, reference_grads):
+    """``model.remat=dots`` (the layer keeps its matmul outputs; attention is checkpointed
+    on its own inside it, ``layers.remat_sublayer``) on every mesh against one device
+    without remat."""
+    ref_loss, ref_grads = reference_grads
+    loss, grads = loss_and_grads(tiny_config(STRATEGIES[name], remat="dots"))
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
+    assert_tensors_close(grads, ref_grads)
 
 
 def test_unscanned_layers_train_like_one_device():

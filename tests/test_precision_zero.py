@@ -13,6 +13,7 @@ from shardlib import data as data_lib
 from shardlib import precision
 from shardlib.config import Config, MeshConfig, PrecisionConfig
 from shardlib.errors import ConfigError
+from shardlib.models import gpt
 from shardlib.train.state import abstract_state, build_setup, init_state
 from shardlib.train.step import make_train_step
 from tests.helpers import relative_error, run_steps, tiny_config
@@ -71,20 +72,44 @@ def test_zero_stage_must_exist():
         build_setup(with_(tiny_config(MeshConfig(data=8)), mesh=dict(zero=4)))
 
 
+def compiled_temporaries_and_flops(config: Config) -> tuple[int, float]:
+    """The compiled train step's temporaries (bytes) and FLOPs, per device."""
+    setup = build_setup(config)
+    b, t = config.train.batch_size, config.train.seq_len
+    batch = jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=setup.batch_sharding)
+    compiled = make_train_step(setup).lower(
+        abstract_state(setup), {"inputs": batch, "targets": batch}).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return compiled.memory_analysis().temp_size_in_bytes, cost["flops"]
+
+
 def test_remat_keeps_the_losses_and_cuts_temporaries():
     config = with_(tiny_config(MeshConfig(data=8)), train=dict(batch_size=16, seq_len=128),
                    model=dict(num_layers=4))
-    temps = {}
-    for policy in ("none", "dots", "full"):
-        setup = build_setup(with_(config, model=dict(remat=policy)))
-        batch = jax.ShapeDtypeStruct((16, 128), jnp.int32, sharding=setup.batch_sharding)
-        compiled = make_train_step(setup).lower(
-            abstract_state(setup), {"inputs": batch, "targets": batch}).compile()
-        temps[policy] = compiled.memory_analysis().temp_size_in_bytes
+    temps = {policy: compiled_temporaries_and_flops(with_(config, model=dict(remat=policy)))[0]
+             for policy in ("none", "dots", "full")}
     assert temps["full"] <= 0.6 * temps["none"] and temps["dots"] < temps["none"]
     losses, _, _ = run_steps(with_(config, model=dict(remat="full")))
     plain, _, _ = run_steps(config)
     np.testing.assert_allclose(losses, plain, rtol=TOL)
+
+
+def test_dots_remat_rebuilds_attention_after_the_mlp_backward(monkeypatch):
+    """Under ``remat=dots`` a layer's attention has a checkpoint of its own
+    (``layers.remat_sublayer``): it is recomputed once its output's gradient exists, after
+    the MLP's backward, so the two working sets are not alive at once; no more FLOPs (the
+    saved out-projection spares the layer's own recomputation the attention). Measured
+    (fsdp=8, 2 layers, 16 x 256, CPU): 9.85 -> 8.81 MB of temporaries, FLOPs -0.15%; the
+    TPU compiler's figures are in tests/test_targets.py."""
+    config = with_(tiny_config(MeshConfig(data=1, fsdp=8)),
+                   train=dict(batch_size=16, seq_len=256), model=dict(num_layers=2,
+                                                                      remat="dots"))
+    own_temps, own_flops = compiled_temporaries_and_flops(config)
+    monkeypatch.setattr(gpt, "remat_sublayer", lambda modules, fn, x: fn(*modules, x))
+    whole_temps, whole_flops = compiled_temporaries_and_flops(config)
+    assert own_temps <= 0.95 * whole_temps, (own_temps, whole_temps)
+    assert own_flops <= whole_flops, (own_flops, whole_flops)
 
 
 def test_loss_scale_update_rules():

@@ -28,6 +28,7 @@ from shardlib.models.layers import (
     normal,
     param,
     remat,
+    remat_sublayer,
     scan_layers,
     stack_layers,
 )
@@ -78,7 +79,8 @@ class Block(nnx.Module):
 
     def forward(self, x_btd: jax.Array) -> tuple[jax.Array, MoEStats]:
         """x -> (x, router stats); the stats are empty for a dense MLP."""
-        x_btd = x_btd + self.attn(self.attn_norm(x_btd))
+        x_btd = x_btd + remat_sublayer((self.attn_norm, self.attn),
+                                       lambda norm, attn, x: attn(norm(x)), x_btd)
         if not isinstance(self.mlp, MoEMLP):
             return x_btd + self.mlp(self.mlp_norm(x_btd)), {}
         y_btd, stats = self.mlp(self.mlp_norm(x_btd))

@@ -11,6 +11,7 @@ tensor shards just work.
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -331,13 +332,53 @@ REMAT_POLICIES = {
 }
 
 
+# The policy of the sub-layer checkpoints (``remat_sublayer``) inside the layer now being
+# traced; None: sub-layers are not checkpointed on their own.
+_SUBLAYER_POLICY: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "shardlib_sublayer_policy", default=None)
+
+
 def remat(fn: Callable, policy: str) -> Callable:
     """``fn`` (one layer) under ``jax.checkpoint`` with a named policy, adjusted for how
     the active strategy gathers weights (``hooks.weights_policy``): under FSDP with
     ``reshard_after_forward`` even ``"none"`` wraps the layer, so that its gathered
-    weights are dropped after forward and gathered again in backward."""
+    weights are dropped after forward and gathered again in backward.
+
+    Under ``"dots"`` the layer's sub-layers marked with ``remat_sublayer`` (attention)
+    get a checkpoint of their own with the same policy: their recomputation then waits
+    for their output's gradient (``jax.checkpoint``'s barrier takes the recomputation's
+    inputs and that gradient together), so it runs after the MLP's backward instead of
+    beside it, and the two working sets are not alive at once. The layer's residuals and
+    FLOPs are unchanged: the saved out-projection means the layer's own recomputation
+    never needs the attention output (docs/results/accelerators.md)."""
     wrap, chosen = hooks.weights_policy(REMAT_POLICIES[policy])
-    return jax.checkpoint(fn, policy=chosen) if wrap else fn
+    if not wrap:
+        return fn
+    sublayer_policy = chosen if policy == "dots" else None
+
+    def layer(*args):
+        token = _SUBLAYER_POLICY.set(sublayer_policy)
+        try:
+            return fn(*args)
+        finally:
+            _SUBLAYER_POLICY.reset(token)
+
+    return jax.checkpoint(layer, policy=chosen)
+
+
+def remat_sublayer(modules: tuple[nnx.Module, ...], fn: Callable[..., jax.Array],
+                   x: jax.Array) -> jax.Array:
+    """``fn(*modules, x)``, checkpointed on its own when the enclosing layer's remat asks
+    for it (``remat``); as is otherwise."""
+    policy = _SUBLAYER_POLICY.get()
+    if policy is None:
+        return fn(*modules, x)
+    graphdef, state = nnx.split(modules)
+
+    def sublayer(state: nnx.State, x: jax.Array) -> jax.Array:
+        return fn(*nnx.merge(graphdef, state), x)
+
+    return jax.checkpoint(sublayer, policy=policy)(state, x)
 
 
 def call_gathered(module: nnx.Module, *args: jax.Array):
