@@ -332,6 +332,11 @@ REMAT_POLICIES = {
 }
 
 
+# The compilers whose schedulers put a layer's attention recomputation beside its MLP's
+# backward (see ``remat``). XLA CPU's schedules for memory itself, and the extra barrier
+# can get in its way: jax 0.12, textbook attention at T=1024, +18% temporaries.
+SUBLAYER_CHECKPOINT_PLATFORMS = frozenset({"tpu", "gpu"})
+
 # The policy of the sub-layer checkpoints (``remat_sublayer``) inside the layer now being
 # traced; None: sub-layers are not checkpointed on their own.
 _SUBLAYER_POLICY: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
@@ -344,8 +349,9 @@ def remat(fn: Callable, policy: str) -> Callable:
     ``reshard_after_forward`` even ``"none"`` wraps the layer, so that its gathered
     weights are dropped after forward and gathered again in backward.
 
-    Under ``"dots"`` the layer's sub-layers marked with ``remat_sublayer`` (attention)
-    get a checkpoint of their own with the same policy: their recomputation then waits
+    Under ``"dots"``, compiling for a TPU or GPU (``SUBLAYER_CHECKPOINT_PLATFORMS``), the
+    layer's sub-layers marked with ``remat_sublayer`` (attention) get a checkpoint of
+    their own with the same policy: their recomputation then waits
     for their output's gradient (``jax.checkpoint``'s barrier takes the recomputation's
     inputs and that gradient together), so it runs after the MLP's backward instead of
     beside it, and the two working sets are not alive at once. The layer's residuals and
@@ -354,7 +360,8 @@ def remat(fn: Callable, policy: str) -> Callable:
     wrap, chosen = hooks.weights_policy(REMAT_POLICIES[policy])
     if not wrap:
         return fn
-    sublayer_policy = chosen if policy == "dots" else None
+    sublayer_policy = chosen if (policy == "dots" and compute_platform()
+                                 in SUBLAYER_CHECKPOINT_PLATFORMS) else None
 
     def layer(*args):
         token = _SUBLAYER_POLICY.set(sublayer_policy)
