@@ -93,14 +93,26 @@ def test_loss_chunks_gradients_match_single_device(name, reference_grads):
     assert errors[worst] <= TOL, f"{worst}: relative error {errors[worst]:.2e}"
 
 
+@pytest.fixture(scope="module")
+def gated_reference_grads():
+    return loss_and_grads(tiny_config(MeshConfig(data=1), **GATED), num_devices=1)
+
+
+GATED = {"mlp": "gated", "activation": "silu"}  # Llama's MLP: gate and up
+
+
+@pytest.mark.parametrize("mlp", ["plain", "gated"])
 @pytest.mark.parametrize("name", list(STRATEGIES))
-def test_dots_remat_gradients_match_single_device(name, reference_grads, monkeypatch):
-    """``model.remat=dots`` (the layer keeps its matmul outputs; attention is checkpointed
-    on its own inside it, ``layers.remat_sublayer``, as on TPU and GPU) on every mesh
+def test_dots_remat_gradients_match_single_device(name, mlp, reference_grads,
+                                                  gated_reference_grads, monkeypatch):
+    """``model.remat=dots`` with the layer's backward ordered as on TPU and GPU (forced
+    here on CPU; ``layers.remat``: attention checkpointed on its own inside the layer,
+    the MLP's gradients tied, a gated MLP's gate and up two matmuls) on every mesh
     against one device without remat."""
     monkeypatch.setattr(layers, "SUBLAYER_CHECKPOINT_PLATFORMS", frozenset({"cpu"}))
-    ref_loss, ref_grads = reference_grads
-    loss, grads = loss_and_grads(tiny_config(STRATEGIES[name], remat="dots"))
+    changes = GATED if mlp == "gated" else {}
+    ref_loss, ref_grads = gated_reference_grads if mlp == "gated" else reference_grads
+    loss, grads = loss_and_grads(tiny_config(STRATEGIES[name], remat="dots", **changes))
     assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
     assert_tensors_close(grads, ref_grads)
 

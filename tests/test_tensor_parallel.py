@@ -12,12 +12,15 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from shardlib import data as data_lib
 from shardlib.config import Config, MeshConfig
+from shardlib.parallel import tensor
 from shardlib.sharding import parse_rule
 from shardlib.train.state import build_setup, init_state
 from shardlib.train.step import explicit_tensor_applies, loss_fn
@@ -132,3 +135,17 @@ def test_falls_back_where_explicit_tp_does_not_apply(mesh, changes, rules):
                                  rules=tuple(parse_rule(r) for r in rules))
     assert not explicit_tensor_applies(build_setup(config, jax.devices()[:devices_of(mesh)]))
 
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cross_entropy_is_optaxs_with_the_same_gradient(dtype):
+    """``tensor.cross_entropy`` picks the target's logit by a one-hot sum, not a gather
+    (so no compiler materializes the whole logits for it): the loss and its gradient are
+    optax's, bit for bit, in fp32 and in bf16 logits."""
+    logits_btv = jax.random.normal(jax.random.key(0), (2, 16, 300), dtype) * 4
+    targets_bt = jax.random.randint(jax.random.key(1), (2, 16), 0, 300)
+    ours = lambda x: tensor.cross_entropy(x, targets_bt)  # noqa: E731
+    reference = lambda x: optax.softmax_cross_entropy_with_integer_labels(x, targets_bt)  # noqa: E731
+    np.testing.assert_array_equal(ours(logits_btv), reference(logits_btv))
+    grad = lambda f: jax.grad(lambda x: jnp.sum(f(x).astype(jnp.float32)))(logits_btv)  # noqa: E731
+    np.testing.assert_array_equal(grad(ours), grad(reference))

@@ -31,6 +31,7 @@ from shardlib.models.layers import (
     remat_sublayer,
     scan_layers,
     stack_layers,
+    tie_sublayer,
 )
 from shardlib.models.moe import MoEMLP, MoEStats, num_moe_layers, run_groups
 from shardlib.sharding import constrain
@@ -82,7 +83,8 @@ class Block(nnx.Module):
         x_btd = x_btd + remat_sublayer((self.attn_norm, self.attn),
                                        lambda norm, attn, x: attn(norm(x)), x_btd)
         if not isinstance(self.mlp, MoEMLP):
-            return x_btd + self.mlp(self.mlp_norm(x_btd)), {}
+            return x_btd + tie_sublayer((self.mlp_norm, self.mlp),
+                                        lambda norm, mlp, x: mlp(norm(x)), x_btd), {}
         y_btd, stats = self.mlp(self.mlp_norm(x_btd))
         return x_btd + y_btd, stats
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -295,9 +296,8 @@ class MLP(nnx.Module):
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         act = ACTIVATIONS[self.activation]
         x_btd = hooks.enter_region(x_btd)  # Megatron's f
-        if self.gated:  # one einsum for gate and in: one input-gradient all-reduce under TP
-            w_cdf = hooks.gathered(jnp.stack([self.w_gate_df[...], self.w_in_df[...]]))
-            gate_btf, h_btf = linear("btd,cdf->cbtf", x_btd, w_cdf)  # 2 x (B, T, F)
+        if self.gated:
+            gate_btf, h_btf = self.gate_and_in(x_btd)  # 2 x (B, T, F)
             if self.use_bias:
                 gate_btf, h_btf = gate_btf + self.b_gate_f[...], h_btf + self.b_in_f[...]
             h_btf = act(gate_btf) * h_btf
@@ -309,6 +309,18 @@ class MLP(nnx.Module):
         if self.use_bias:
             out_btd = out_btd + self.b_out_d[...]
         return constrain(out_btd, ("act_batch", "act_res_seq", "act_embed"))
+
+    def gate_and_in(self, x_btd: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The gated MLP's two input projections (B, T, F): one einsum over the stacked
+        weights (under TP, one input-gradient all-reduce), or two when the layer orders
+        its backward (``remat``), so each is saved as a stack of its own that the TPU
+        compiler's backward reads in place rather than copying out of a joint layout."""
+        if ordered_backward():
+            return (linear("btd,df->btf", x_btd, self.w_gate_df[...]),
+                    linear("btd,df->btf", x_btd, self.w_in_df[...]))
+        w_cdf = hooks.gathered(jnp.stack([self.w_gate_df[...], self.w_in_df[...]]))
+        gate_btf, h_btf = linear("btd,cdf->cbtf", x_btd, w_cdf)
+        return gate_btf, h_btf
 
 
 def stack_layers(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
@@ -332,13 +344,14 @@ REMAT_POLICIES = {
 }
 
 
-# The compilers whose schedulers put a layer's attention recomputation beside its MLP's
-# backward (see ``remat``). XLA CPU's schedules for memory itself, and the extra barrier
-# can get in its way: jax 0.12, textbook attention at T=1024, +18% temporaries.
+# The compilers whose schedulers run a layer's backward pieces side by side (its
+# attention recomputation beside its MLP's backward, its MLP weight gradients beside its
+# attention backward; see ``remat``). XLA CPU's schedules for memory itself, and the extra
+# barriers can get in its way: jax 0.12, textbook attention at T=1024, +18% temporaries.
 SUBLAYER_CHECKPOINT_PLATFORMS = frozenset({"tpu", "gpu"})
 
 # The policy of the sub-layer checkpoints (``remat_sublayer``) inside the layer now being
-# traced; None: sub-layers are not checkpointed on their own.
+# traced; None: the layer's backward is not ordered (no sub-layer checkpoints, no ties).
 _SUBLAYER_POLICY: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
     "shardlib_sublayer_policy", default=None)
 
@@ -350,13 +363,15 @@ def remat(fn: Callable, policy: str) -> Callable:
     weights are dropped after forward and gathered again in backward.
 
     Under ``"dots"``, compiling for a TPU or GPU (``SUBLAYER_CHECKPOINT_PLATFORMS``), the
-    layer's sub-layers marked with ``remat_sublayer`` (attention) get a checkpoint of
-    their own with the same policy: their recomputation then waits
-    for their output's gradient (``jax.checkpoint``'s barrier takes the recomputation's
-    inputs and that gradient together), so it runs after the MLP's backward instead of
-    beside it, and the two working sets are not alive at once. The layer's residuals and
-    FLOPs are unchanged: the saved out-projection means the layer's own recomputation
-    never needs the attention output (docs/results/accelerators.md)."""
+    layer's backward is ordered (``ordered_backward``), so that its working sets are not
+    alive at once: attention (``remat_sublayer``) gets a checkpoint of its own with the
+    same policy, whose recomputation waits for its output's gradient (``jax.checkpoint``'s
+    barrier takes the recomputation's inputs and that gradient together), so it runs after
+    the MLP's backward instead of beside it; the MLP's input gradient leaves only with its
+    weight gradients (``tie_sublayer``); and gate and up are two matmuls, each saved as a
+    stack of its own. The layer's residuals and FLOPs are unchanged: the saved
+    out-projection means the layer's own recomputation never needs the attention output
+    (docs/results/accelerators.md)."""
     wrap, chosen = hooks.weights_policy(REMAT_POLICIES[policy])
     if not wrap:
         return fn
@@ -373,6 +388,11 @@ def remat(fn: Callable, policy: str) -> Callable:
     return jax.checkpoint(layer, policy=chosen)
 
 
+def ordered_backward() -> bool:
+    """Whether the layer now being traced orders its backward (``remat``)."""
+    return _SUBLAYER_POLICY.get() is not None
+
+
 def remat_sublayer(modules: tuple[nnx.Module, ...], fn: Callable[..., jax.Array],
                    x: jax.Array) -> jax.Array:
     """``fn(*modules, x)``, checkpointed on its own when the enclosing layer's remat asks
@@ -386,6 +406,41 @@ def remat_sublayer(modules: tuple[nnx.Module, ...], fn: Callable[..., jax.Array]
         return fn(*nnx.merge(graphdef, state), x)
 
     return jax.checkpoint(sublayer, policy=policy)(state, x)
+
+
+def tie_sublayer(modules: tuple[nnx.Module, ...], fn: Callable[..., jax.Array],
+                 x: jax.Array) -> jax.Array:
+    """``fn(*modules, x)`` whose input gradient leaves together with the gradients of the
+    modules' weights (one optimization barrier) when the enclosing layer orders its
+    backward (``remat``): the weight-gradient matmuls then run before the backward goes
+    on to the sub-layer below, and the activations they read die first. As is
+    otherwise."""
+    if not ordered_backward():
+        return fn(*modules, x)
+    graphdef, state = nnx.split(modules)
+    state, x = tie_gradients((state, x))
+    return fn(*nnx.merge(graphdef, state), x)
+
+
+def tie_gradients(tree: Any) -> Any:
+    """Identity whose backward releases the cotangents of ``tree``'s leaves at once (one
+    optimization barrier): of those that vary over the same manual axes (shard_map) as
+    its last leaf. jax 0.10's barrier makes all its operands vary alike, and a cotangent
+    must come back typed as its primal, so leaves typed otherwise (a weight split over
+    ``tensor`` under Megatron TP) pass untied."""
+    leaves, treedef = jax.tree.flatten(tree)
+    varying = [jax.typeof(leaf).mat.varying for leaf in leaves]
+    tied = [i for i, axes in enumerate(varying) if axes == varying[-1]]
+
+    @jax.custom_vjp
+    def tie(group: list[jax.Array]) -> list[jax.Array]:
+        return group
+
+    tie.defvjp(lambda group: (group, None),
+               lambda _, cotangents: (jax.lax.optimization_barrier(cotangents),))
+    for i, leaf in zip(tied, tie([leaves[i] for i in tied]), strict=True):
+        leaves[i] = leaf
+    return treedef.unflatten(leaves)
 
 
 def call_gathered(module: nnx.Module, *args: jax.Array):

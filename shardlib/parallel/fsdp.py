@@ -112,6 +112,13 @@ def weight_gatherer(rules: Rules, sizes: Mapping[str, int],
     return lambda tree: jax.tree.map(one, tree, is_leaf=_is_variable)
 
 
+def casts_before_loss(replicas: tuple[str, ...]) -> bool:
+    """Whether ``fsdp_loss`` casts all the weight shards once, before the loss, rather
+    than each unit's as it gathers them: on GPU/TPU, with nothing all-reduced over
+    ``replicas`` (see ``fsdp_loss``)."""
+    return compute_platform() != "cpu" and not replicas
+
+
 def fsdp_loss(loss_fn: Callable[[nnx.State, dict], jax.Array], params: nnx.State, batch: dict,
               *, mesh: jax.sharding.Mesh, param_specs: nnx.State, rules: Rules,
               reshard_after_forward: bool = True,
@@ -129,17 +136,25 @@ def fsdp_loss(loss_fn: Callable[[nnx.State, dict], jax.Array], params: nnx.State
     gather, so weights travel (and gradients are reduce-scattered) in the compute dtype;
     XLA CPU aborts on those bf16 collectives (``AllReducePromotion``: "Invalid binary
     instruction opcode copy"), so on CPU the gather and reduce-scatter stay in the
-    parameter dtype.
+    parameter dtype. On GPU/TPU with nothing to all-reduce over ``data`` it runs once on
+    all the shards, before the loss: the layer scan then takes its weights and gives its
+    gradients in the compute dtype, so the stacked weight gradients are accumulated in
+    it and converted once after the scan (the same values; at 7B on ``v5p-128``, 236 MiB
+    less alive through the backward).
     """
     axes = manual_axes(dict(mesh.shape))
     manual_specs = jax.tree.map(lambda s: restrict_spec(s, lambda a: a in axes), param_specs)
     batch_spec = PartitionSpec(axes)
+    replicas = ("data",) if "data" in axes else ()
+    cast_first = casts_before_loss(replicas)
     # Varying over data *before* the gather: each unit's gradient is reduce-scattered
     # over fsdp first, then only the shard is all-reduced over data.
-    gather = weight_gatherer(rules, dict(mesh.shape), cast,
-                             replicas=("data",) if "data" in axes else ())
+    gather = weight_gatherer(rules, dict(mesh.shape), (lambda p: p) if cast_first else cast,
+                             replicas=replicas)
 
     def local_loss(params_shard: nnx.State, batch_shard: dict) -> jax.Array:
+        if cast_first:
+            params_shard = cast(params_shard)
         with hooks.gathering_weights(gather, reshard_after_forward=reshard_after_forward):
             return jax.lax.pmean(loss_fn(params_shard, batch_shard), axes)
 
