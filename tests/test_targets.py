@@ -227,41 +227,33 @@ def test_a_llama_step_with_splash_is_as_lean_as_the_chunked_kernel_on_tpu():
     assert splash <= 0.5 * textbook, (splash, textbook)
 
 
-@needs_libtpu
-@pytest.mark.slow
-def test_an_ordered_layer_backward_cuts_a_llama_steps_temporaries_on_tpu():
-    """Under ``remat=dots`` the layer orders its backward (``layers.remat``): attention
-    has a checkpoint of its own, so the TPU compiler recomputes it after the MLP's
-    backward rather than beside it; the MLP's input gradient leaves with its weight
-    gradients; gate and up are saved apart. Measured, explicit FSDP: 117.5 -> 69.1 MB on
-    libtpu 0.0.42.1, 89.9 -> 50.9 MB on 0.0.52 (docs/results/accelerators.md)."""
-    ordered = llama_mini_temporaries("auto")[0]
-    unordered = llama_mini_temporaries("auto", ordered=False)[0]
-    assert ordered <= 0.8 * unordered, (ordered, unordered)
+# What each of the default step's changes saves (docs/results/accelerators.md): the
+# step with it, the step without it, and the most the first may be of the second.
+# Measured, libtpu 0.0.42.1 / 0.0.52:
+# - the layer's ordered backward under remat dots (``layers.remat``: attention's own
+#   checkpoint, the MLP's tied gradients, gate and up saved apart): 117.5 -> 69.1 MB /
+#   89.9 -> 50.9 MB;
+# - explicit FSDP's cast of the shards before the loss (``fsdp.casts_before_loss``: the
+#   layer scan accumulates bf16 weight gradients): 71.5 -> 69.1 MB / 53.4 -> 50.9 MB;
+# - the one-hot pick of the target's logit (``tensor.target_logit``; a gather makes the
+#   TPU compiler write the whole fp32 logits), 32000-token vocabulary: 2213.9 -> 439.7 MB
+#   / 1936.9 -> 392.3 MB.
+SAVINGS = {
+    "ordered backward": ({}, {"ordered": False}, 0.8),
+    "cast before the loss": ({}, {"cast_first": False}, 0.98),
+    "one-hot target pick": ({"vocab_size": 32000},
+                            {"vocab_size": 32000, "gather_target": True}, 0.5),
+}
 
 
 @needs_libtpu
 @pytest.mark.slow
-def test_weights_cast_before_the_layer_scan_cut_a_llama_steps_temporaries_on_tpu():
-    """Explicit FSDP on a TPU casts the weight shards once before the loss
-    (``fsdp.casts_before_loss``), so the layer scan accumulates its weight gradients in
-    bf16, not fp32. Measured: 71.5 -> 69.1 MB on libtpu 0.0.42.1, 53.4 -> 50.9 MB on
-    0.0.52; at 7B on ``v5p-128`` the backward loop's carry is 236 MiB smaller."""
-    first = llama_mini_temporaries("auto")[0]
-    per_unit = llama_mini_temporaries("auto", cast_first=False)[0]
-    assert first <= 0.98 * per_unit, (first, per_unit)
-
-
-@needs_libtpu
-@pytest.mark.slow
-def test_the_loss_never_materializes_the_whole_fp32_logits_on_tpu():
-    """The loss picks the target's logit with a one-hot sum (``tensor.target_logit``),
-    which fuses into the log-sum-exp's pass over the logits; a gather makes the TPU
-    compiler write the whole fp32 logits for it. Measured, a 32000-token vocabulary:
-    2213.9 -> 439.7 MB on libtpu 0.0.42.1, 1936.9 -> 392.3 MB on 0.0.52."""
-    one_hot = llama_mini_temporaries("auto", vocab_size=32000)[0]
-    gather = llama_mini_temporaries("auto", vocab_size=32000, gather_target=True)[0]
-    assert one_hot <= 0.5 * gather, (one_hot, gather)
+@pytest.mark.parametrize("change", list(SAVINGS))
+def test_each_default_step_change_cuts_a_llama_steps_temporaries_on_tpu(change):
+    with_it, without_it, at_most = SAVINGS[change]
+    saved = llama_mini_temporaries("auto", **with_it)[0]
+    plain = llama_mini_temporaries("auto", **without_it)[0]
+    assert saved <= at_most * plain, (change, saved, plain)
 
 
 # ----------------------------------------------------------------------------- bytes
