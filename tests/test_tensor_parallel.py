@@ -136,7 +136,6 @@ def test_falls_back_where_explicit_tp_does_not_apply(mesh, changes, rules):
     assert not explicit_tensor_applies(build_setup(config, jax.devices()[:devices_of(mesh)]))
 
 
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cross_entropy_is_optaxs_with_the_same_gradient(dtype):
     """``tensor.cross_entropy`` picks the target's logit by a one-hot sum, not a gather

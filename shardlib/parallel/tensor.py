@@ -141,7 +141,7 @@ def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
     m_bt = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits_btv, axis=-1)), AXIS)
     shifted_btv = logits_btv - m_bt[..., None]
     sum_exp_bt = _psum(jnp.sum(jnp.exp(shifted_btv), axis=-1))
-    local_bt = targets_bt - jax.lax.axis_index(AXIS) * logits_btv.shape[-1]
+    local_bt = _offset_ids(targets_bt, logits_btv.shape[-1])  # outside: picks 0
     return jnp.log(sum_exp_bt) - _psum(target_logit(shifted_btv, local_bt))
 
 
@@ -154,9 +154,14 @@ def target_logit(logits_btv: jax.Array, ids_bt: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(vocab_v == ids_bt[..., None], logits_btv, 0), axis=-1)
 
 
+def _offset_ids(ids_bt: jax.Array, local_vocab: int) -> jax.Array:
+    """Ids relative to the start of this device's vocab range (any value)."""
+    return ids_bt - jax.lax.axis_index(AXIS) * local_vocab
+
+
 def _local_ids(ids_bt: jax.Array, local_vocab: int) -> tuple[jax.Array, jax.Array]:
     """Ids relative to this device's vocab range (clipped into it) and which fall in it."""
-    local_bt = ids_bt - jax.lax.axis_index(AXIS) * local_vocab
+    local_bt = _offset_ids(ids_bt, local_vocab)
     hit_bt = (local_bt >= 0) & (local_bt < local_vocab)
     return jnp.clip(local_bt, 0, local_vocab - 1), hit_bt
 
