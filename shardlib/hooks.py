@@ -13,11 +13,11 @@ remat policy (``weights_policy``) can drop it after forward and gather it again 
 backward (``reshard_after_forward``, torchtitan's name), or keep it.
 
 Layer hooks (``enter_region``, ``exit_region``, ``sequence_rows``, ``vocab_lookup``,
-``attention``, ``expert_ffn``, ``dropless_ffn``, ``row_mean``): the places where Megatron
-TP/SP, context parallelism and expert parallelism act inside a layer. Each is the plain
-computation until ``shardlib.parallel`` installs its strategy (``install_layer_hooks``,
-once, on import); the installed function is itself the plain computation unless its
-strategy is active for the trace (``parallel.tensor.manual_tensor``,
+``attention``, ``expert_ffn``, ``dropless_ffn``, ``row_mean``, ``cross_entropy``): the
+places where Megatron TP/SP, context parallelism and expert parallelism act inside a
+layer. Each is the plain computation until ``shardlib.parallel`` installs its strategy
+(``install_layer_hooks``, once, on import); the installed function is itself the plain
+computation unless its strategy is active for the trace (``parallel.tensor.manual_tensor``,
 ``parallel.context.context_parallel``, an ``expert`` axis in the active rules, the
 pipeline's ``parallel.moe_manual.manual_experts``).
 """
@@ -188,6 +188,14 @@ def dropless_ffn(x_btd: jax.Array, experts_btk: jax.Array, gates_btk: jax.Array,
     return fn(*args, activation=activation, local=local)
 
 
+def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array, *,
+                  local: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+    """Per-token cross-entropy (B, T) of logits over the vocabulary; ``local`` computes it
+    on whole logits, used unless Megatron TP keeps them vocab-split (``parallel.tensor``)."""
+    fn = _LAYER.get("cross_entropy")
+    return local(logits_btv, targets_bt) if fn is None else fn(logits_btv, targets_bt, local)
+
+
 def row_mean(x_b: jax.Array) -> jax.Array:
     """A mean over each row's tokens on hand (leading dim: rows) -> the mean over the
     whole row (plain: itself; a strategy that gives a device a slice of every row, as
@@ -197,4 +205,5 @@ def row_mean(x_b: jax.Array) -> jax.Array:
 
 
 LAYER_HOOKS = frozenset({"enter_region", "exit_region", "sequence_rows", "vocab_lookup",
-                         "attention", "expert_ffn", "dropless_ffn", "row_mean"})
+                         "attention", "expert_ffn", "dropless_ffn", "row_mean",
+                         "cross_entropy"})

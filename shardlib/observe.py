@@ -27,6 +27,7 @@ SCALAR_TAGS = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
     "loss_scale": "train/loss_scale", "skipped_steps": "train/skipped_steps",
     "eval_loss": "eval/loss", "tokens_per_sec": "perf/tokens_per_sec",
+    "examples_per_sec": "perf/examples_per_sec",
     "step_time_s": "perf/step_time_s", "mfu": "perf/mfu",
     "memory_bytes": "memory/bytes_per_device", "goodput": "perf/goodput",
 }
@@ -114,15 +115,24 @@ class RunObserver:
     def __init__(self, setup: Any):
         tc = setup.config.train
         self.devices = list(setup.mesh.devices.flat)
-        self.flops_per_step = model_flops_per_token(setup.config) * tc.batch_size * tc.seq_len
+        # the GPT's model FLOPs; a user's model: the compiled step's own (``on_compiled``)
+        self.builtin = setup.model.has("planner")
+        self.flops_per_step = (model_flops_per_token(setup.config) * tc.batch_size * tc.seq_len
+                               if self.builtin else 0.0)
         self.planned_bytes: int | None = None
         self.compute_dtype = setup.policy.compute
         self.profiler = StepProfiler(parse_profile_steps(tc.profile_steps), profile_dir(tc))
         self._peak: Peak | None = None
 
     def on_compiled(self, compiled: jax.stages.Compiled) -> None:
-        """Read XLA's memory plan of the compiled step (the CPU memory figure)."""
+        """Read XLA's memory plan of the compiled step (the CPU memory figure) and, for a
+        user's model, its FLOPs (per device, times the devices: remat's recomputation
+        counted, so hardware FLOPs rather than model FLOPs)."""
         self.planned_bytes = compiled_peak_bytes(compiled, self.devices[0].platform)
+        if not self.builtin:
+            cost = compiled.cost_analysis()
+            cost = cost[0] if isinstance(cost, list) else cost
+            self.flops_per_step = float((cost or {}).get("flops", 0.0)) * len(self.devices)
 
     @property
     def peak(self) -> Peak:
@@ -170,8 +180,8 @@ class TensorBoardReporter:
 
         if jax.process_index() == 0:
             self.writer = SummaryWriter(self.log_dir)
-            model = setup.config.model
-            self.writer.add_text("run", f"model {model.name}: {info['params']:,} parameters, "
+            self.writer.add_text("run", f"model {setup.model.name}: {info['params']:,} "
+                                        "parameters, "
                                         f"mesh {dict(setup.mesh.shape)}")
 
     def on_steps(self, rows: list[dict[str, Any]]) -> None:

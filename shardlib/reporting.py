@@ -95,11 +95,15 @@ class ConsoleReporter:
         self.console.print(rules_line(setup.rules, setup.sizes))
         platform = platform_of(setup.mesh)
         self.console.print(describe_precision(setup.config.precision, setup.policy, platform))
-        self.console.print(describe_attention(
-            setup.config.attention.impl, seq_len=setup.config.train.seq_len,
-            dtype=setup.policy.compute, head_dim=model.head_dim, backend=platform))
-        self.console.print(f"model {model.name}: {info['params']:,} parameters, "
-                           f"{model.num_layers} layers, d_model {model.d_model}")
+        if not setup.model.has("planner"):  # a user's model: no GPT shape to describe
+            self.console.print(f"model {setup.model.name}: {info['params']:,} parameters, "
+                               f"{len(setup.model.units or ())} FSDP unit lists")
+        else:
+            self.console.print(describe_attention(
+                setup.config.attention.impl, seq_len=setup.config.train.seq_len,
+                dtype=setup.policy.compute, head_dim=model.head_dim, backend=platform))
+            self.console.print(f"model {model.name}: {info['params']:,} parameters, "
+                               f"{model.num_layers} layers, d_model {model.d_model}")
         self.console.print(sharding_table(param_table(setup)))
         if self.console.is_terminal:
             self.progress = Progress(
@@ -114,7 +118,9 @@ class ConsoleReporter:
         if jax.process_index() != 0 or not rows:
             return
         last = rows[-1]
-        status = f"loss {last['loss']:.4f}  {last['tokens_per_sec']:,.0f} tok/s"
+        status = f"loss {last['loss']:.4f}  " + (
+            f"{last['tokens_per_sec']:,.0f} tok/s" if "tokens_per_sec" in last
+            else f"{last['examples_per_sec']:,.1f} examples/s")
         if last.get("mfu") is not None:
             status += f"  MFU {last['mfu']:.1%}"
         if "eval_loss" in last:

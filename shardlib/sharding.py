@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 
 import jax
@@ -24,7 +25,8 @@ from shardlib.mesh import MESH_AXES, capability_of, platform_of
 Rules = dict[str, tuple[str, ...]]
 
 PARAM_DIMS = ("vocab", "embed", "heads", "head_dim", "mlp", "layers", "position", "expert",
-              "router")  # router: the router's logit-per-expert dim, kept whole
+              "router",  # router: the router's logit-per-expert dim, kept whole
+              "fsdp_auto")  # the dim shardlib picks for FSDP in an unannotated parameter
 ACT_DIMS = (
     "act_batch", "act_seq", "act_res_seq", "act_embed", "act_heads", "act_head_dim",
     "act_mlp", "act_vocab", "act_kv_seq",
@@ -36,7 +38,7 @@ PRESETS: dict[str, Rules] = {
     # Data parallel: params replicated, batch split.
     "dp": {"act_batch": ("data",)},
     # FSDP / ZeRO-3: every weight's embed dim split over fsdp; the batch too.
-    "fsdp": {"embed": ("fsdp",), "act_batch": ("fsdp",)},
+    "fsdp": {"embed": ("fsdp",), "fsdp_auto": ("fsdp",), "act_batch": ("fsdp",)},
     # Megatron TP: qkv and MLP-in split by columns (heads, mlp), attention-out and MLP-out
     # by rows (the same dims, on the input side); vocab-parallel embedding and head.
     "tp": {
@@ -88,16 +90,30 @@ def make_rules(mesh_cfg: MeshConfig, sizes: Mapping[str, int],
 
 
 def check_rule(dim: str, axes: Sequence[str]) -> None:
-    """Raise if a rule names an unknown logical dim or mesh axis."""
-    if dim not in LOGICAL_DIMS:
+    """Raise if a rule's dim is not a name or it names an unknown mesh axis. A dim may be
+    the user's own (a model's annotations name it); one that names nothing in the model
+    is warned about when the setup is built (``check_rules_used``)."""
+    if not dim.isidentifier():
         raise ShardingError(
-            f"rule {dim}: unknown logical dim {dim!r}; known dims: {', '.join(LOGICAL_DIMS)}"
-        )
+            f"rule {dim}: a logical dim must be a name (letters, digits, _); known dims: "
+            f"{', '.join(LOGICAL_DIMS)}, or a dim the model's annotations name")
     for axis in axes:
         if axis not in MESH_AXES:
             raise ShardingError(
                 f"rule {dim}={axis}: unknown mesh axis {axis!r}; axes: {', '.join(MESH_AXES)}"
             )
+
+
+def check_rules_used(overrides: Sequence[tuple[str, Sequence[str]]],
+                     named: set[str]) -> None:
+    """Warn for each user rule whose dim neither the model (``named``: its parameters'
+    and batch's dims) nor shardlib's activation dims use: it shards nothing."""
+    for dim, axes in overrides:
+        if dim not in named and dim not in LOGICAL_DIMS:
+            warnings.warn(f"rule {dim}={'+'.join(axes) or 'none'}: no parameter or batch "
+                          f"array of the model has a dim {dim!r}, so the rule shards "
+                          f"nothing; the model's dims: {', '.join(sorted(named))}",
+                          UserWarning, stacklevel=3)
 
 
 def parse_rule(text: str) -> tuple[str, tuple[str, ...]]:

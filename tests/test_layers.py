@@ -28,7 +28,7 @@ LAYOUT_PAGE = ROOT.parent / "docs" / "reference" / "layout.md"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("floor", ("errors", "config", "config_check", "mesh", "hooks", "sharding", "precision",
-               "units")),
+               "units", "contract", "annotations")),
     ("primitives", ("collectives", "reshard", "distributed", "launch", "accelerator",
                     "target_gpu", "target")),
     ("models", ("models",)),

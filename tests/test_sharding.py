@@ -74,7 +74,7 @@ def test_conflicting_rules_name_the_parameter():
 
 
 @pytest.mark.parametrize("text, needle", [
-    ("nonsense=tensor", "unknown logical dim 'nonsense'"),
+    ("non-sense=tensor", "a logical dim must be a name"),
     ("mlp=pipe", "unknown mesh axis 'pipe'"),
     ("mlp", "use LOGICAL_DIM=AXIS"),
 ])
@@ -95,7 +95,8 @@ def test_indivisible_dim_names_path_shape_and_axes():
 def test_batch_must_divide_over_batch_axes():
     config = Config(mesh=MeshConfig(data=8), model=TINY)
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=12))
-    with pytest.raises(ShardingError, match=r"batch .* a dim of size 12 over axes \('data',\)"):
+    with pytest.raises(ShardingError,
+                       match=r"batch\['inputs'\] .* a dim of size 12 over axes \('data',\)"):
         build_setup(config)
 
 

@@ -9,4 +9,5 @@ hooks.install_layer_hooks(
     enter_region=tensor.enter_region, exit_region=tensor.exit_region,
     sequence_rows=tensor.sequence_rows, vocab_lookup=tensor.vocab_lookup,
     attention=context.attend, expert_ffn=moe.expert_ffn,
-    dropless_ffn=moe.dropless_ffn, row_mean=moe_manual.row_mean)
+    dropless_ffn=moe.dropless_ffn, row_mean=moe_manual.row_mean,
+    cross_entropy=tensor.cross_entropy)

@@ -131,10 +131,12 @@ def vocab_lookup(w_vd: jax.Array, tokens_bt: jax.Array) -> jax.Array:
     return exit_region(x_btd.astype(w_vd.dtype))
 
 
-def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
-    """Per-token cross-entropy (B, T): log-sum-exp minus the target's logit. Vocab-split
-    logits are never gathered: the max (pmax), the sum of exponentials and the target's
-    logit (psum) cross ``tensor``."""
+def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array,
+                  local: Callable[[jax.Array, jax.Array], jax.Array] | None = None) -> jax.Array:
+    """Per-token cross-entropy (B, T): log-sum-exp minus the target's logit (the
+    ``hooks.cross_entropy`` a model calls; ``local``, the model's own, computes the same).
+    Vocab-split logits are never gathered: the max (pmax), the sum of exponentials and the
+    target's logit (psum) cross ``tensor``."""
     if mode() is None:
         return jax.nn.logsumexp(logits_btv, axis=-1) - target_logit(logits_btv, targets_bt)
     # The loss does not depend on the shift m: stopping its gradient is exact.

@@ -8,6 +8,7 @@ between those, steps are dispatched asynchronously and their metrics stay on dev
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 import time
@@ -22,9 +23,10 @@ from shardlib import data as data_lib
 from shardlib import observe, reporting
 from shardlib.checkpoint import Checkpointer, open_for_training
 from shardlib.config import Config
+from shardlib.contract import Model, has_sequence
+from shardlib.data.arrays import ArrayLoader, BatchSource
 from shardlib.distributed import main_print
 from shardlib.interop.hf import pretrained_state
-from shardlib.models import count_params
 from shardlib.reporting import NullReporter, Reporter
 from shardlib.run import compile_cache, goodput, resume, signals, startup, watchdog
 from shardlib.run.evaluation import eval_loss, eval_row, sample_text
@@ -49,22 +51,40 @@ class TrainResult:
     halt_message: str | None = None  # why a non-finite loss/grad norm halted the run
 
 
-def _rows(pending: list[tuple[int, dict]], since: float, tokens: int) -> list[dict[str, Any]]:
+def _rows(pending: list[tuple[int, dict]], since: float, examples: int,
+          tokens: int) -> list[dict[str, Any]]:
     """Host-side metric rows for steps dispatched since the last sync (at ``since``, a
-    ``perf_counter`` time). Steps run asynchronously: the step time is taken once their
-    metrics have arrived, not when they were dispatched."""
+    ``perf_counter`` time): ``examples_per_sec``, and ``tokens_per_sec`` when the batch
+    has a sequence (``tokens`` > 0). Steps run asynchronously: the step time is taken once
+    their metrics have arrived, not when they were dispatched."""
     fetched = jax.device_get([m for _, m in pending])
     step_time = (time.perf_counter() - since) / len(pending)
+    rates = {"examples_per_sec": examples / step_time}
+    if tokens:
+        rates["tokens_per_sec"] = tokens / step_time
     return [
         {"step": step, **{k: np.asarray(v).item() for k, v in metrics.items()},
-         "step_time_s": step_time, "tokens_per_sec": tokens / step_time}
+         "step_time_s": step_time, **rates}
         for (step, _), metrics in zip(pending, fetched, strict=True)
     ]
 
 
-def train(config: Config, *, devices: list[jax.Device] | None = None,
+def tokens_per_batch(setup: TrainSetup, batch: dict[str, jax.Array]) -> int:
+    """Tokens in one global batch: rows x the length of the first ``seq`` dim of the
+    batch layout (0 for a batch without a sequence)."""
+    if not has_sequence(setup.model):
+        return 0
+    key, dims = next((k, d) for k, d in setup.model.batch.items() if "seq" in d)
+    return batch[key].shape[0] * batch[key].shape[dims.index("seq")]
+
+
+def train(config: Config, *, model: Model | None = None, data: BatchSource | None = None,
+          eval_data: BatchSource | None = None, devices: list[jax.Device] | None = None,
           reporter: Reporter | None = None, state: TrainState | None = None) -> TrainResult:
-    """Train ``config.model`` for ``config.train.steps`` steps on ``config.mesh``.
+    """Train ``model`` (a ``shardlib.Model``: the user's own module, loss and batch layout,
+    reading ``data``, and ``eval_data`` for the eval loss) or else the built-in
+    ``config.model`` on its configured data, for ``config.train.steps`` steps on
+    ``config.mesh``.
 
     With ``config.checkpoint.dir`` set, it saves every ``checkpoint.every`` steps and at the
     end, resumes with ``checkpoint.resume``, and on SIGTERM/SIGINT saves and stops early.
@@ -76,8 +96,11 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
     compile_cache.enable(config.train.compile_cache)  # before the first compile
     resume.check_config(config.train)
     with signals.sigterm_raises(), contextlib.ExitStack() as exits:
-        config, source, setup = startup.preflight(config, devices)
-        run = _open(setup, source, state, reporter, timeline, exits)
+        config, source, setup = startup.preflight(config, devices, model, data)
+        loader = None if source is not None else ArrayLoader(
+            data, setup.batch_sharding, setup.model.batch, config.train.batch_size,
+            eval_data=eval_data)
+        run = _open(setup, source or loader.source, state, reporter, timeline, exits, loader)
         started = time.perf_counter()
         timeline.lap("startup")
         try:  # the watchdog watches the steps, eval, the final save and the sample
@@ -86,7 +109,8 @@ def train(config: Config, *, devices: list[jax.Device] | None = None,
                                         run.checkpointer, stop, run.observer, run.loader,
                                         run.guards, exits)
             run.loader.close()
-            return _finish(run, state, compile_s, started, source.tokenizer)
+            return _finish(run, state, compile_s, started,
+                           source.tokenizer if source is not None else None)
         except Exception:
             run.guards.explain_hang()
             raise
@@ -107,9 +131,9 @@ class _Opened:
     observer: observe.RunObserver
 
 
-def _open(setup: TrainSetup, source: data_lib.Source, state: TrainState | None,
+def _open(setup: TrainSetup, source: Any, state: TrainState | None,
           reporter: Reporter | None, timeline: goodput.Timeline,
-          exits: contextlib.ExitStack) -> _Opened:
+          exits: contextlib.ExitStack, loader: ArrayLoader | None = None) -> _Opened:
     """Start what the run needs, each closed by ``exits`` on every way out: the checkpoint
     manager, the state (resumed, fine-tuned or new), the loader at its position, the
     reporters, the watchdog, the observer; then tell the reporters the run started."""
@@ -124,7 +148,7 @@ def _open(setup: TrainSetup, source: data_lib.Source, state: TrainState | None,
     result.setup = setup
     for note in notes:
         main_print(f"shardlib train: {note}", file=sys.stderr, flush=True)
-    loader = _loader(setup, source, state, checkpointer, result.resumed_from)
+    loader = _loader(setup, source, state, checkpointer, result.resumed_from, loader)
     exits.callback(loader.close)
     reporter = observe.attach(reporter or NullReporter(), config.train)
     exits.callback(reporting.close, reporter)
@@ -136,7 +160,7 @@ def _open(setup: TrainSetup, source: data_lib.Source, state: TrainState | None,
                     if config.checkpoint.dir else 0)
     observer = observe.RunObserver(setup)
     exits.callback(observer.profiler.stop)
-    reporter.on_start(setup, {"params": count_params(config.model)})
+    reporter.on_start(setup, {"params": param_count(setup)})
     return _Opened(setup, state, result, checkpointer, loader, reporter, guards, observer)
 
 
@@ -171,7 +195,7 @@ def _first_state(setup: TrainSetup, state: TrainState | None,
 
 
 def _finish(run: _Opened, state: TrainState, compile_s: float, started: float,
-            tokenizer: data_lib.Tokenizer) -> TrainResult:
+            tokenizer: data_lib.Tokenizer | None) -> TrainResult:
     """The summary, the final save, the halt message and the sample; then ``on_end``."""
     result, timeline = run.result, run.guards.timeline
     config = result.setup.config
@@ -185,7 +209,7 @@ def _finish(run: _Opened, state: TrainState, compile_s: float, started: float,
         result.halt_message = nonfinite.halt_message(
             run.guards.tracker.reason, config.checkpoint.dir, result.checkpoint_step)
     with timeline.phase("sample"):
-        if not result.stopped_by:
+        if not result.stopped_by and tokenizer is not None and result.setup.model.has("generate"):
             result.sample = sample_text(result.setup, state, config.train, tokenizer, timeline)
     result.summary.update(run.guards.tracker.summary())
     result.summary.update(timeline.summary())
@@ -193,12 +217,14 @@ def _finish(run: _Opened, state: TrainState, compile_s: float, started: float,
     return result
 
 
-def _loader(setup: TrainSetup, source: data_lib.Source, state: TrainState,
-            checkpointer: Checkpointer | None, resumed_from: int | None) -> data_lib.Loader:
-    """The run's loader, at the position saved with the resumed checkpoint (else at batch
-    ``state.step``) plus ``train.skip_batches``; checkpoints save its position after each
-    saved step."""
-    loader = data_lib.make_loader(setup.config, source, setup.batch_sharding)
+def _loader(setup: TrainSetup, source: Any, state: TrainState,
+            checkpointer: Checkpointer | None, resumed_from: int | None,
+            loader: ArrayLoader | None = None) -> Any:
+    """The run's loader (the user's ``loader``, else the token loader of ``source``), at
+    the position saved with the resumed checkpoint (else at batch ``state.step``) plus
+    ``train.skip_batches``; checkpoints save its position after each saved step."""
+    if loader is None:
+        loader = data_lib.make_loader(setup.config, source, setup.batch_sharding)
     loader.next_batch = int(state.step)
     saved = None if resumed_from is None else checkpointer.saved_data_state(resumed_from)
     if saved is not None:
@@ -231,7 +257,7 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
     adapt = _adaptive(setup, state, first, step_fn)  # comm.policy: None unless on
     keep_fn = _keeping_step(setup, state, first, checkpointer, exits)
     eval_fns: dict[str, Any] = {}  # compiled at the first eval
-    tokens = tc.batch_size * tc.seq_len
+    tokens = tokens_per_batch(setup, first)
     pending: list[tuple[int, dict]] = []
     after_save = to_save = None  # the non-donating step; a kept state to save
     tick = time.perf_counter()
@@ -262,11 +288,12 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
                     checkpointer.save(step, state, setup.config, copy=True)
                 else:
                     to_save = (step, state)
-        do_eval = tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.steps)
+        do_eval = tc.eval_every > 0 and (step % tc.eval_every == 0 or step == tc.steps) \
+            and getattr(loader, "eval_data", True) is not None  # a user's: eval_data given
         due = adapt is not None and adapt.due(step)
         if do_eval or due or step % tc.log_every == 0 or step == tc.steps:
             with timeline.phase("sync"):
-                rows = _rows(pending, tick, tokens)
+                rows = _rows(pending, tick, tc.batch_size, tokens)
             halt = guards.synced(rows)
             if loader.state()["epoch"] is not None:
                 rows[-1]["epoch"] = loader.state()["epoch"]
@@ -289,7 +316,7 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
         _hand_over(checkpointer, to_save, setup)
     if pending:  # stopped by a signal between two log steps
         with timeline.phase("sync"):
-            rows = _rows(pending, tick, tokens)
+            rows = _rows(pending, tick, tc.batch_size, tokens)
         guards.synced(rows)
         _report(result, reporter, observer.annotate(rows))
     return state, compile_s
@@ -351,6 +378,11 @@ def _keeping_step(setup: TrainSetup, state: TrainState, batch: Any,
     return lambda: compiled.get("fn")
 
 
+def param_count(setup: TrainSetup) -> int:
+    """The model's trained parameters (from the abstract tree: nothing allocated)."""
+    return sum(math.prod(v.shape) for v in jax.tree.leaves(setup.abstract_params))
+
+
 def _report(result: TrainResult, reporter: Reporter, rows: list[dict[str, Any]]) -> None:
     result.history.extend(rows)
     reporter.on_steps(rows)
@@ -380,7 +412,8 @@ def summarize(history: list[dict[str, Any]], compile_s: float, total_s: float) -
         "eval_loss": evals[-1]["eval_loss"] if evals else None,
         "eval_bits_per_byte": evals[-1].get("eval_bits_per_byte") if evals else None,
         "eval_rows": evals[-1].get("eval_rows") if evals else None,  # held-out rows averaged
-        "tokens_per_sec": float(np.median([r["tokens_per_sec"] for r in steady])),
+        **{key: float(np.median([r[key] for r in steady]))
+           for key in ("tokens_per_sec", "examples_per_sec") if key in steady[0]},
         "step_time_s": float(np.median([r["step_time_s"] for r in steady])),
         "compile_time_s": compile_s, "total_time_s": total_s,
     }

@@ -9,23 +9,26 @@ from typing import Any
 
 import jax
 
+from shardlib import contract, observe
 from shardlib import data as data_lib
-from shardlib import observe
 from shardlib.checkpoint import check_path
 from shardlib.config import Config
 from shardlib.config_check import check_ranges
+from shardlib.contract import Model
+from shardlib.errors import ConfigError
 from shardlib.planner import resolve_auto
 from shardlib.run import watchdog
 from shardlib.train import nonfinite
 from shardlib.train.state import TrainSetup, build_setup, lr_schedule
 
 
-def preflight(config: Config, devices: list[jax.Device] | None
-              ) -> tuple[Config, data_lib.Source, TrainSetup]:
+def preflight(config: Config, devices: list[jax.Device] | None, model: Model | None = None,
+              data: Any = None) -> tuple[Config, data_lib.Source | None, TrainSetup]:
     """Check everything a run needs while starting and writing nothing: the numbers, the
     policies, the log and checkpoint paths, the mesh (the planner picks it for ``--mesh
     auto``), the data and its tokenizer, every sharding. The resolved config, the data
-    source and the setup; a ``ShardlibError`` naming the problem otherwise."""
+    source (None for a user's ``model``, whose ``data`` the run reads) and the setup; a
+    ``ShardlibError`` naming the problem otherwise."""
     check_ranges(config)
     nonfinite.check_config(config.train)
     watchdog.check_timeout(config.train.hang_timeout_s)
@@ -33,7 +36,13 @@ def preflight(config: Config, devices: list[jax.Device] | None
     if config.checkpoint.dir:
         check_path(config.checkpoint.dir)
     if config.mesh.auto:  # `--mesh auto`: the planner picks mesh, remat and microbatches
+        contract.resolve(config, model).require("planner", "--mesh auto")
         config = resolve_auto(config, devices)
+    if model is not None:
+        if data is None:
+            raise ConfigError(f"train(model={model.name!r}): give its data too, data= a "
+                              "function of the batch index or an iterable of dicts of arrays")
+        return config, None, build_setup(config, devices, model=model)
     source = data_lib.open_source(config)  # bad data or tokenizer fails before compiling
     return config, source, build_setup(config, devices)
 

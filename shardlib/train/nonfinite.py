@@ -58,7 +58,8 @@ def guard_step(tc: TrainConfig, loss_scaling: bool, old: TrainState, new: TrainS
     return TrainState(step=new.step, rng=new.rng, loss_scale=new.loss_scale,
                       params=select_tree(ok, new.params, old.params),
                       opt_state=select_tree(ok, new.opt_state, old.opt_state),
-                      comm=select_tree(ok, new.comm, old.comm))
+                      comm=select_tree(ok, new.comm, old.comm),
+                      model_state=select_tree(ok, new.model_state, old.model_state))
 
 
 def row_ok(row: dict[str, Any], loss_scaling: bool) -> bool:

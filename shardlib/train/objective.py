@@ -1,5 +1,7 @@
-"""The training objective on any mesh: the model's loss, with the layer-level strategy
-(explicit FSDP gathers, Megatron TP/SP, context parallelism) picked from the setup.
+"""The training objective on any mesh: the model's own loss (``setup.model.loss``, the
+contract's), with the layer-level strategy picked from the setup: explicit per-unit FSDP
+gathers (``parallel.fsdp``), Megatron TP/SP for a model that declares it
+(``parallel.tensor``), or XLA's partitioner.
 
 The step-level strategies (``train.comm``, ``train.diloco``, ``train.pipeline``) and the
 step itself all differentiate this.
@@ -10,67 +12,51 @@ from __future__ import annotations
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from shardlib import precision
-from shardlib.errors import ConfigError
+from shardlib.contract import Batch, Metrics
 from shardlib.models.attention import using_kernel
-from shardlib.models.gpt import gather_outside_layers
-from shardlib.models.moe import moe_objective
-from shardlib.parallel import context, fsdp, tensor
+from shardlib.parallel import context, fsdp, tensor, units
 from shardlib.sharding import Rules, activation_rules
 from shardlib.train.setup import TrainSetup
 
-# {"inputs": (B, T) int32, "targets": (B, T) int32}, and from a packed loader optionally
-# "segment_ids" and "positions" (B, T) int32 (see models.attention.packed_documents)
-Batch = dict[str, jax.Array]
-Metrics = dict[str, jax.Array]
+__all__ = ["Batch", "Metrics", "explicit_fsdp_applies", "explicit_tensor_applies",
+           "loss_and_metrics", "loss_fn", "loss_metrics_state", "model_loss"]
+
+
+def merged(setup: TrainSetup, params: nnx.State, model_state: nnx.State | None) -> nnx.Module:
+    """The model around ``params`` (the weights outside its FSDP units gathered, see
+    ``parallel.units``) and its non-trained state."""
+    params = units.gather_outside_units(params, setup.model.units)
+    if model_state is None:
+        return nnx.merge(setup.graphdef, params)
+    # fresh variables, so that the loss may update them in the trace it runs in
+    return nnx.merge(setup.graphdef, params, jax.tree.map(lambda x: x, model_state))
+
+
+def run_model_loss(setup: TrainSetup, rules: Rules, params: nnx.State, batch: Batch,
+                   model_state: nnx.State | None = None, *, training: bool = True
+                   ) -> tuple[jax.Array, Metrics, nnx.State | None]:
+    """(objective, metrics with ``loss``, the model's new non-trained state): the model's
+    loss in train (or eval) mode, activations pinned by ``rules``, each list-held FSDP unit
+    gathered where the model calls it. Every part is a mean over rows."""
+    module = merged(setup, params, model_state)
+    module.train() if training else module.eval()
+    model, attn = setup.model, setup.config.attention
+    own = () if model.has("gathers_units") else model.units
+    with (activation_rules(setup.mesh, rules), context.context_parallel(attn.context_parallel),
+          using_kernel(attn.impl, attn.chunk),
+          units.per_unit(module, own, setup.config.model.remat)):
+        objective, metrics = model.loss(module, batch)
+    new_state = None if model_state is None else nnx.state(module, nnx.Not(model.trainable))
+    return objective, {"loss": objective, **metrics}, new_state
 
 
 def model_loss(setup: TrainSetup, rules: Rules, params: nnx.State,
                batch: Batch) -> tuple[jax.Array, Metrics]:
-    """The objective: mean next-token cross-entropy over the batch plus, for an MoE model,
-    the weighted router losses; and its parts (``loss`` is the cross-entropy alone).
-    Activations are pinned by ``rules``. Every part is a mean over rows."""
-    cp_method = setup.config.attention.context_parallel
-    model = nnx.merge(setup.graphdef, gather_outside_layers(params))  # FSDP: see hooks
-    attn = setup.config.attention
-    with (activation_rules(setup.mesh, rules), context.context_parallel(cp_method),
-          using_kernel(attn.impl, attn.chunk)):
-        x_btd, moe_stats = model.final_hidden(batch["inputs"], batch.get("segment_ids"),
-                                              batch.get("positions"))
-        losses_bt = head_losses(model, x_btd, batch["targets"], setup.policy.output,
-                                setup.config.model.loss_chunks)
-    penalty, moe_metrics = moe_objective(setup.config.model, moe_stats)
-    loss = jnp.mean(losses_bt)
-    return loss + penalty.astype(loss.dtype), {"loss": loss, **moe_metrics}
-
-
-def head_losses(model: nnx.Module, x_btd: jax.Array, targets_bt: jax.Array,
-                output_dtype: jnp.dtype, chunks: int) -> jax.Array:
-    """Per-token cross-entropy (B, T) of the LM head on the last block's output, vocab-parallel
-    under TP. With ``chunks`` > 1 the head runs on strided slices of the sequence in a loop,
-    one slice's logits alive at a time and recomputed in the backward (the head's gradient
-    is summed over slices in the compute dtype)."""
-    def slice_losses(x_bcd: jax.Array, targets_bc: jax.Array) -> jax.Array:
-        logits_bcv = model.head(x_bcd).astype(output_dtype)
-        return tensor.cross_entropy(logits_bcv, targets_bc)
-
-    if chunks == 1:
-        return slice_losses(x_btd, targets_bt)
-    (b, t_x, d), t = x_btd.shape, targets_bt.shape[1]
-    if t_x % chunks:
-        raise ConfigError(f"model.loss_chunks={chunks} does not divide this device's "
-                          f"{t_x} positions per sequence; fix: a divisor of {t_x}")
-    # slice n holds positions i * chunks + n: each slice spans every shard of a sequence-
-    # sharded T. Under SP the head gathers T over tensor (r = t / t_x shards, in order).
-    r = t // t_x
-    x_nbcd = jnp.moveaxis(x_btd.reshape(b, t_x // chunks, chunks, d), 2, 0)
-    targets_nbc = jnp.moveaxis(targets_bt.reshape(b, r, t_x // chunks, chunks), 3, 0)
-    losses_nbc = jax.lax.map(lambda xt: jax.checkpoint(slice_losses)(*xt),
-                             (x_nbcd, targets_nbc.reshape(chunks, b, -1)))
-    return jnp.moveaxis(losses_nbc.reshape(chunks, b, r, t_x // chunks), 0, 3).reshape(b, t)
+    """The objective and its parts for a model with no non-trained state."""
+    return run_model_loss(setup, rules, params, batch)[:2]
 
 
 def loss_fn(setup: TrainSetup, params: nnx.State, batch: Batch) -> jax.Array:
@@ -81,30 +67,51 @@ def loss_fn(setup: TrainSetup, params: nnx.State, batch: Batch) -> jax.Array:
 def loss_and_metrics(setup: TrainSetup, params: nnx.State,
                      batch: Batch) -> tuple[jax.Array, Metrics]:
     """The training objective and its parts, parameters cast to the compute dtype. With
-    ``tensor`` > 1 (dense model, data/fsdp/tensor mesh) Megatron TP/SP and the fsdp
-    gathers are explicit (``parallel.tensor``); with ``fsdp`` > 1 and only batch axes the
-    gathers are (``parallel.fsdp``): either way the gradient is a real reduce-scatter on
-    every backend."""
+    ``tensor`` > 1 (a model with the ``megatron`` capability, data/fsdp/tensor mesh)
+    Megatron TP/SP and the fsdp gathers are explicit (``parallel.tensor``); with ``fsdp``
+    > 1 and only batch axes the gathers are (``parallel.fsdp``): either way the gradient is
+    a real reduce-scatter on every backend. Otherwise XLA's partitioner."""
     cast = partial(precision.cast_params, policy=setup.policy)  # before gathers: fewer bytes
     reshard = setup.config.mesh.reshard_after_forward
+    specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
     if explicit_tensor_applies(setup):
-        specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
         return tensor.tensor_loss(
             partial(model_loss, setup, {}), params, batch, mesh=setup.mesh, param_specs=specs,
             batch_spec=setup.batch_sharding.spec, cast=cast, rules=setup.rules,
             reshard_after_forward=reshard,
             sequence_parallel=setup.config.mesh.sequence_parallel)
-    if not tensor.by_hand(setup.config, setup.sizes, setup.rules):
+    if not explicit_fsdp_applies(setup):
         return model_loss(setup, setup.rules, cast(params), batch)  # XLA's partitioner
     manual = fsdp.manual_axes(setup.sizes)
     local_rules = {dim: tuple(a for a in axes if a not in manual)
                    for dim, axes in setup.rules.items()}
-    specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
     return fsdp.fsdp_loss(partial(model_loss, setup, local_rules), params, batch,
                           mesh=setup.mesh, param_specs=specs, rules=setup.rules,
                           reshard_after_forward=reshard, cast=cast)
 
 
+def loss_metrics_state(setup: TrainSetup, params: nnx.State, batch: Batch,
+                       model_state: nnx.State | None, *, training: bool = True
+                       ) -> tuple[jax.Array, Metrics, nnx.State | None]:
+    """``loss_and_metrics`` that also takes and gives the model's non-trained state
+    (batch statistics, RNG streams, an EMA): XLA's partitioner runs such a model, so
+    statistics over the batch are taken over the whole global batch."""
+    if model_state is None:
+        return (*loss_and_metrics(setup, params, batch), None)
+    cast = precision.cast_params(params, policy=setup.policy)
+    return run_model_loss(setup, setup.rules, cast, batch, model_state, training=training)
+
+
 def explicit_tensor_applies(setup: TrainSetup) -> bool:
-    """Whether ``loss_and_metrics`` runs Megatron TP/SP by hand (``parallel.tensor``)."""
-    return tensor.applies_to(setup.config, setup.sizes, setup.rules)
+    """Whether ``loss_and_metrics`` runs Megatron TP/SP by hand (``parallel.tensor``):
+    only for a model that declares the ``megatron`` capability."""
+    return setup.model.has("megatron") and tensor.applies_to(setup.config, setup.sizes,
+                                                             setup.rules)
+
+
+def explicit_fsdp_applies(setup: TrainSetup) -> bool:
+    """Whether ``loss_and_metrics`` gathers FSDP units by hand (``parallel.fsdp``): a mesh
+    of batch axes only, ``mesh.explicit_collectives`` on, a model without non-trained
+    state (its statistics would be per device inside ``shard_map``)."""
+    return (setup.config.mesh.explicit_collectives and fsdp.explicit_fsdp_applies(setup.sizes)
+            and setup.state_shardings.model_state is None)

@@ -30,9 +30,9 @@ from shardlib.errors import ConfigError
 from shardlib.models.attention import packed_documents
 from shardlib.models.gpt import gather_outside_layers
 from shardlib.models.layers import layer_body, remat, scan_layers
+from shardlib.models.lm import head_losses
 from shardlib.models.moe import MoEStats, moe_objective, num_moe_layers, run_groups
 from shardlib.parallel import moe_manual
-from shardlib.train.objective import head_losses
 from shardlib.train.setup import TrainSetup
 
 # one microbatch: "inputs", "targets" (b, T) and, when packed, "segment_ids", "positions"

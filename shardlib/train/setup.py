@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from shardlib import sharding
 from shardlib.analysis.tables import ParamInfo  # noqa: F401  (its home is analysis.tables)
 from shardlib.config import Config
+from shardlib.contract import Model
 from shardlib.precision import LossScale, Policy
 
 
@@ -32,11 +33,16 @@ class TrainState:
     rng: jax.Array  # uint32[2] raw key, split every step
     loss_scale: LossScale  # fp16 dynamic loss scaling (scale 1 for other policies)
     comm: Any = None  # train.comm.CommState or None: error feedback / DiLoCo (comm.*)
+    # the model's variables the optimizer does not update (batch statistics, RNG streams,
+    # an EMA), as the loss leaves them; None for a model with none (the GPT)
+    model_state: Any = None
 
 
 @dataclass(frozen=True)
 class TrainSetup:
-    """The static half of training: mesh, rules, model structure, optimizer, shardings."""
+    """The static half of training: mesh, rules, model structure, optimizer, shardings.
+    ``batch_sharding``: one ``NamedSharding`` for every batch array when they all split
+    alike (the GPT's tokens), else one per array name (``model.batch``)."""
 
     config: Config
     mesh: Mesh
@@ -45,9 +51,10 @@ class TrainSetup:
     abstract_params: nnx.State
     tx: optax.GradientTransformation
     state_shardings: TrainState
-    batch_sharding: NamedSharding
+    batch_sharding: NamedSharding | dict[str, NamedSharding]
     grad_shardings: nnx.State  # = param shardings, or split over `data` too under ZeRO-2
     policy: Policy
+    model: Model  # the contract: module factory, loss, batch layout, capabilities
 
     @property
     def sizes(self) -> dict[str, int]:

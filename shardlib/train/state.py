@@ -12,17 +12,20 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardlib import sharding
+from shardlib import contract, sharding
 from shardlib.analysis.tables import ParamInfo, param_rows
+from shardlib.annotations import AUTO_DIM, annotate, logical_names
 from shardlib.checkpoint import Target, restore_target
 from shardlib.config import CommConfig, Config, OptimConfig
 from shardlib.config_check import check_ranges
+from shardlib.contract import Model
 from shardlib.errors import ConfigError
 from shardlib.mesh import MESH_AXES, capability_of, make_mesh, platform_of, resolve_degrees
-from shardlib.models import GPT, check_model
+from shardlib.models import check_model
 from shardlib.models.attention import check_kernel
 from shardlib.models.moe import check_moe
 from shardlib.parallel.context import check_context_parallel
+from shardlib.parallel.units import find_units
 from shardlib.precision import LossScale
 from shardlib.precision import resolve as resolve_policy
 from shardlib.train import comm as comm_lib
@@ -59,7 +62,7 @@ def param_table(setup: TrainSetup) -> list[ParamInfo]:
 
 
 def decay_mask(params: nnx.State) -> nnx.State:
-    """Weight decay on matrices only: not on norm scales (layer dim aside)."""
+    """Weight decay on matrices only: not on norm scales or biases (layer dim aside)."""
     def is_matrix(var: nnx.Variable) -> nnx.Variable:
         dims = [d for d in var.get_metadata("logical") if d != "layers"]
         return var.replace(value=len(dims) >= 2)
@@ -102,9 +105,13 @@ def mesh_degrees(config: Config, num_devices: int) -> dict[str, int]:
 
 
 def zero_rules(rules: sharding.Rules) -> sharding.Rules:
-    """Rules for ZeRO-sharded state: every ``embed`` dim also split over ``data``."""
-    embed = set(rules.get("embed", ())) | {"data"}
-    return {**rules, "embed": tuple(a for a in MESH_AXES if a in embed)}
+    """Rules for ZeRO-sharded state: every ``embed`` (and ``fsdp_auto``) dim also split
+    over ``data``."""
+    out = dict(rules)
+    for dim in ("embed", AUTO_DIM):
+        axes = set(rules.get(dim, ())) | {"data"}
+        out[dim] = tuple(a for a in MESH_AXES if a in axes)
+    return out
 
 
 def named_tree(specs: nnx.State, mesh: Mesh) -> nnx.State:
@@ -113,31 +120,36 @@ def named_tree(specs: nnx.State, mesh: Mesh) -> nnx.State:
                         is_leaf=_is_var)
 
 
-def build_setup(config: Config, devices: list[jax.Device] | None = None) -> TrainSetup:
-    """Mesh, rules and every sharding, validated before any array is allocated."""
+def build_setup(config: Config, devices: list[jax.Device] | None = None, *,
+                model: Model | None = None) -> TrainSetup:
+    """Mesh, rules and every sharding, validated before any array is allocated, for
+    ``model`` (the contract: a user's own) or else the built-in GPT of ``config.model``."""
     check_ranges(config)
-    check_model(config.model)
+    model = contract.resolve(config, model)
+    if model.has("planner"):
+        check_model(config.model)
     devices = list(jax.devices() if devices is None else devices)
     policy = resolve_policy(config.precision, platform_of(devices))
     mesh = make_mesh(mesh_degrees(config, len(devices)), devices)
     sizes = dict(mesh.shape)
-    check_moe(config.model, sizes)
-    check_context_parallel(config.attention.context_parallel, sizes=sizes,
-                           num_heads=config.model.num_heads, seq_len=config.train.seq_len)
-    check_pipeline(config, sizes)
+    check_capabilities(config, sizes, model)
+    if model.has("planner"):
+        check_builtin(config, sizes, mesh)
     check_kernel(config.attention.impl, config.attention.chunk, backend=platform_of(mesh),
                  capability=capability_of(mesh))
     comm_lib.check_comm(config.comm, sizes, zero=config.mesh.zero,
                         loss_scaling=policy.loss_scaling)
-    if config.model.moe_bias_rate > 0 and comm_lib.diloco_enabled(config.comm):
-        raise ConfigError(f"model.moe_bias_rate={config.model.moe_bias_rate}: the router "
-                          "biases move in the train step, which DiLoCo replaces; set "
-                          "model.moe_bias_rate=0 or turn comm.diloco off")
     rules = sharding.make_rules(config.mesh, sizes, config.rules)
-    abstract = nnx.eval_shape(lambda: GPT(config.model, rngs=nnx.Rngs(0)))
-    graphdef, abstract_params = nnx.split(abstract)
+    model, graphdef, abstract_params, abstract_rest = abstract_model(model, config, sizes)
+    sharding.check_rules_used(config.rules, logical_names(abstract_params) | batch_dims(model))
+    if abstract_rest is not None and comm_lib.enabled(config.comm):
+        raise ConfigError("comm.*: the compressed / DiLoCo reductions take a model without "
+                          f"non-trained state; model {model.name!r} has "
+                          f"{len(jax.tree.leaves(abstract_rest))} state arrays (batch "
+                          "statistics, RNG streams); turn the comm options off")
     param_sh = named_tree(param_specs(abstract_params, rules, sizes), mesh)
-    zero_sh = named_tree(param_specs(abstract_params, zero_rules(rules), sizes), mesh)
+    zero_sh = named_tree(param_specs(abstract_params, zero_rules(rules), sizes), mesh) \
+        if config.mesh.zero in (1, 2) else param_sh
     tx = make_optimizer(config.optim, config.train.steps, decay_mask(abstract_params))
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_sh = optax.tree_map_params(
@@ -147,40 +159,130 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None) -> Trai
     scale_sh = LossScale(replicated, replicated, replicated)
     state_sh = TrainState(step=replicated, params=param_sh, opt_state=opt_sh, rng=replicated,
                           loss_scale=scale_sh, comm=comm_state_shardings(
-                              config.comm, mesh, abstract_params, param_sh, tx))
+                              config.comm, mesh, abstract_params, param_sh, tx),
+                          model_state=None if abstract_rest is None else named_tree(
+                              param_specs(abstract_rest, rules, sizes), mesh))
     return TrainSetup(config, mesh, rules, graphdef, abstract_params, tx, state_sh,
-                      batch_sharding(config, mesh, rules),
-                      zero_sh if config.mesh.zero == 2 else param_sh, policy)
+                      batch_sharding(config, mesh, rules, model),
+                      zero_sh if config.mesh.zero == 2 else param_sh, policy, model)
 
 
-def batch_sharding(config: Config, mesh: Mesh, rules: sharding.Rules) -> NamedSharding:
-    """(batch, seq) split over the batch and sequence axes; checks divisibility, with
-    each of ``train.grad_accum`` microbatches split the same way."""
-    sizes = dict(mesh.shape)
-    spec = sharding.logical_to_spec(("act_batch", "act_seq"), rules, sizes, name="batch")
-    tc = config.train
+def check_capabilities(config: Config, sizes: dict[str, int], model: Model) -> None:
+    """One ``ConfigError`` for a mesh or option that needs a capability ``model`` lacks."""
+    needs = [(sizes.get("pipeline", 1) > 1, "pipeline", f"--mesh pipeline={sizes.get('pipeline')}"),
+             (sizes.get("expert", 1) > 1, "experts", f"--mesh expert={sizes.get('expert')}"),
+             (config.attention.context_parallel != "none", "context_parallel",
+              f"attention.context_parallel={config.attention.context_parallel}"),
+             (config.mesh.sequence_parallel, "megatron", "mesh.sequence_parallel=true"),
+             (bool(config.train.init_from), "hf", f"--init-from {config.train.init_from}")]
+    for needed, capability, option in needs:
+        if needed:
+            model.require(capability, option)
+
+
+def check_builtin(config: Config, sizes: dict[str, int], mesh: Mesh) -> None:
+    """The checks of the built-in GPT's shape (``config.model``) against the mesh."""
+    check_moe(config.model, sizes)
+    check_context_parallel(config.attention.context_parallel, sizes=sizes,
+                           num_heads=config.model.num_heads, seq_len=config.train.seq_len)
+    check_pipeline(config, sizes)
+    if config.model.moe_bias_rate > 0 and comm_lib.diloco_enabled(config.comm):
+        raise ConfigError(f"model.moe_bias_rate={config.model.moe_bias_rate}: the router "
+                          "biases move in the train step, which DiLoCo replaces; set "
+                          "model.moe_bias_rate=0 or turn comm.diloco off")
+
+
+def fsdp_auto_shards(config: Config, sizes: dict[str, int]) -> int:
+    """The shards an unannotated parameter's ``fsdp_auto`` dim must split into."""
+    zero_data = sizes.get("data", 1) if config.mesh.zero in (1, 2) else 1
+    return sizes.get("fsdp", 1) * zero_data
+
+
+def abstract_model(model: Model, config: Config, sizes: dict[str, int]
+                   ) -> tuple[Model, nnx.GraphDef, nnx.State, nnx.State | None]:
+    """(the model with its FSDP units found, graphdef, annotated abstract trained
+    variables, the annotated abstract rest or None): no array allocated."""
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: model.build(nnx.Rngs(0)))
+    if model.units is None:
+        model = model.with_units(find_units(abstract))
+    graphdef, params, rest = split_model(abstract, model)
+    shards = fsdp_auto_shards(config, sizes)
+    rest = None if rest is None else annotate(rest, 1, name=model.name)
+    return model, graphdef, annotate(params, shards, name=model.name), rest
+
+
+def split_model(module: nnx.Module, model: Model
+                ) -> tuple[nnx.GraphDef, nnx.State, nnx.State | None]:
+    """(graphdef, the trained variables, the rest or None when there is none)."""
+    graphdef, params, rest = nnx.split(module, model.trainable, ...)
+    if jax.tree.leaves(rest):
+        return graphdef, params, rest
+    graphdef, params = nnx.split(module, model.trainable)
+    return graphdef, params, None
+
+
+def relabel(state: nnx.State, like: nnx.State) -> nnx.State:
+    """``state`` with the ``logical`` dims of ``like`` (the setup's annotated tree)."""
+    return jax.tree.map(lambda v, w: v.replace(logical=w.get_metadata()["logical"]),
+                        state, like, is_leaf=_is_var)
+
+
+def batch_dims(model: Model) -> set[str]:
+    """The logical dims the model's batch layout names."""
+    return {d for dims in model.batch.values() for d in dims if d}
+
+
+def batch_sharding(config: Config, mesh: Mesh, rules: sharding.Rules,
+                   model: Model) -> NamedSharding | dict[str, NamedSharding]:
+    """Each batch array split by its layout (``batch`` over the batch axes, ``seq`` over
+    the sequence axes); checks divisibility, with each of ``train.grad_accum``
+    microbatches split the same way. One sharding when every array splits alike."""
+    sizes, tc = dict(mesh.shape), config.train
     if tc.grad_accum < 1 or tc.batch_size % tc.grad_accum:
         raise ConfigError(f"--grad-accum {tc.grad_accum}: must be >= 1 and divide "
                           f"--batch-size {tc.batch_size}")
-    sharding.check_divisible("batch (train.batch_size / train.grad_accum, train.seq_len)",
-                             (tc.batch_size // tc.grad_accum, tc.seq_len), spec, sizes)
-    return NamedSharding(mesh, spec)
+    specs = {}
+    for key, dims in model.batch.items():
+        spec = sharding.logical_to_spec(contract.batch_logical(dims), rules, sizes,
+                                        name=f"batch[{key!r}]")
+        shape = (tc.batch_size // tc.grad_accum, *(tc.seq_len if d == "seq" else 1
+                                                    for d in dims[1:]))
+        sharding.check_divisible(f"batch[{key!r}] (train.batch_size / train.grad_accum"
+                                 + (", train.seq_len)" if "seq" in dims else ")"),
+                                 shape, spec, sizes)
+        specs[key] = spec
+    if len(set(specs.values())) == 1:
+        return NamedSharding(mesh, next(iter(specs.values())))
+    return {key: NamedSharding(mesh, spec) for key, spec in specs.items()}
 
 
-def start_state(setup: TrainSetup, params: nnx.State, state_key: jax.Array) -> TrainState:
+def batch_spec_of(setup: TrainSetup, key: str) -> PartitionSpec:
+    """The PartitionSpec of batch array ``key``."""
+    sh = setup.batch_sharding
+    return sh[key].spec if isinstance(sh, dict) else sh.spec
+
+
+def start_state(setup: TrainSetup, params: nnx.State, state_key: jax.Array,
+                model_state: nnx.State | None = None) -> TrainState:
     """Step 0 around ``params``: a new optimizer state, loss scale and comm state."""
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=setup.tx.init(params), rng=jax.random.key_data(state_key),
                       loss_scale=LossScale.initial(setup.config.precision),
-                      comm=init_comm_state(setup, params))
+                      comm=init_comm_state(setup, params), model_state=model_state)
 
 
 def _init_fn(setup: TrainSetup, seed: int):
     def init() -> TrainState:
         model_key, state_key = jax.random.split(jax.random.key(seed))
-        params = nnx.state(GPT(setup.config.model, rngs=nnx.Rngs(model_key)))
+        with nnx.use_eager_sharding(False):
+            module = setup.model.build(nnx.Rngs(model_key))
+        _, params, rest = split_model(module, setup.model)
+        params = relabel(params, setup.state_shardings.params)
+        if rest is not None:
+            rest = relabel(rest, setup.state_shardings.model_state)
         return start_state(setup, jax.tree.map(lambda p: p.astype(setup.policy.param), params),
-                           state_key)
+                           state_key, rest)
 
     return init
 

@@ -24,58 +24,72 @@ from shardlib.train.objective import (  # noqa: F401  (loss_fn, model_loss: publ
     explicit_tensor_applies,
     loss_and_metrics,
     loss_fn,
+    loss_metrics_state,
     model_loss,
 )
 from shardlib.train.setup import TrainSetup, TrainState
-from shardlib.train.state import lr_schedule
+from shardlib.train.state import batch_spec_of, lr_schedule
 
 
 def microbatches(setup: TrainSetup, batch: Batch, count: int) -> Batch:
-    """(B, T) -> (count, B / count, T): microbatch k takes rows k, k + count, ... so every
-    device keeps its own rows and each microbatch is split like the whole batch."""
-    spec = PartitionSpec(None, *setup.batch_sharding.spec)
+    """(B, ...) -> (count, B / count, ...) for every array of any rank: microbatch k takes
+    rows k, k + count, ... so every device keeps its own rows and each microbatch is split
+    like the whole batch."""
 
-    def split(x_bt: jax.Array) -> jax.Array:
-        x_mkt = x_bt.reshape(-1, count, x_bt.shape[1]).swapaxes(0, 1)
-        return jax.lax.with_sharding_constraint(x_mkt, NamedSharding(setup.mesh, spec))
+    def split(key: str, x_b: jax.Array) -> jax.Array:
+        x_mk = x_b.reshape(-1, count, *x_b.shape[1:]).swapaxes(0, 1)
+        spec = PartitionSpec(None, *batch_spec_of(setup, key))
+        return jax.lax.with_sharding_constraint(x_mk, NamedSharding(setup.mesh, spec))
 
-    return jax.tree.map(split, batch)
+    return {key: split(key, x) for key, x in batch.items()}
 
 
 def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: Batch,
                    scale: jax.Array) -> tuple[jax.Array, nnx.State, Metrics]:
     """Mean objective, gradients and metrics over ``train.grad_accum`` microbatches
     (``lax.scan``), the objective multiplied by ``scale`` and the gradients divided again."""
+    loss, grads, metrics, _ = loss_grads_and_state(setup, params, batch, scale, None)
+    return loss, grads, metrics
+
+
+def loss_grads_and_state(setup: TrainSetup, params: nnx.State, batch: Batch,
+                         scale: jax.Array, model_state: nnx.State | None
+                         ) -> tuple[jax.Array, nnx.State, Metrics, nnx.State | None]:
+    """``loss_and_grads`` that also threads the model's non-trained state (batch
+    statistics, RNG streams) through the microbatches, in order."""
     count = setup.config.train.grad_accum
 
-    def scaled(p: nnx.State, b: Batch) -> tuple[jax.Array, Metrics]:
-        objective, metrics = loss_and_metrics(setup, p, b)
-        return objective * scale, metrics
+    def scaled(p: nnx.State, b: Batch, ms: nnx.State | None) -> tuple[jax.Array, tuple]:
+        objective, metrics, ms = loss_metrics_state(setup, p, b, ms)
+        return objective * scale, (metrics, ms)
 
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
     pin = lambda g: jax.lax.with_sharding_constraint(g, setup.grad_shardings)
     if pipeline_check.applies(setup.sizes):  # GPipe / 1F1B over `pipeline` (train.pipeline)
         parts, grads = pipeline_loss_and_grads(setup, params, batch, scale, count)
-        return parts["loss"], pin(grads), parts
+        return parts["loss"], pin(grads), parts, model_state
     if count == 1:
-        (loss, metrics), grads = grad_fn(params, batch)
+        (loss, (metrics, model_state)), grads = grad_fn(params, batch, model_state)
     else:
         def accumulate(carry, microbatch):
-            (loss, metrics), grads = grad_fn(params, microbatch)
-            loss_sum, metric_sums = jax.tree.map(jnp.add, carry[:2], (loss, metrics))
-            return (loss_sum, metric_sums, pin(jax.tree.map(jnp.add, carry[2], grads))), None
+            loss_sum, metric_sums, grad_sums, ms = carry
+            (loss, (metrics, ms)), grads = grad_fn(params, microbatch, ms)
+            loss_sum, metric_sums = jax.tree.map(jnp.add, (loss_sum, metric_sums),
+                                                 (loss, metrics))
+            return (loss_sum, metric_sums, pin(jax.tree.map(jnp.add, grad_sums, grads)), ms), None
 
         zeros = pin(jax.tree.map(jnp.zeros_like, params))
         micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
             (x.shape[0] // count, *x.shape[1:]), x.dtype), batch)
-        shapes = jax.eval_shape(grad_fn, params, micro)[0]  # (loss, metrics) zeros
-        init = (*jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), zeros)
-        (loss, metrics, grads), _ = jax.lax.scan(accumulate, init,
-                                                 microbatches(setup, batch, count))
+        shapes = jax.eval_shape(grad_fn, params, micro, model_state)[0]  # (loss, metrics)
+        init = (*jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[0], shapes[1][0])),
+                zeros, model_state)
+        (loss, metrics, grads, model_state), _ = jax.lax.scan(
+            accumulate, init, microbatches(setup, batch, count))
         metrics = jax.tree.map(lambda m: m / count, metrics)
     unscale = 1.0 / (scale * count)
     grads = pin(jax.tree.map(lambda g: g * unscale.astype(g.dtype), grads))
-    return loss * unscale, grads, metrics
+    return loss * unscale, grads, metrics, model_state
 
 
 def pipeline_loss_and_grads(setup: TrainSetup, params: nnx.State, batch: Batch,
@@ -103,13 +117,14 @@ def train_step(setup: TrainSetup, state: TrainState, batch: Batch) -> tuple[Trai
     reduction) or ``train.diloco`` (infrequent synchronisation)."""
     if comm.diloco_enabled(setup.config.comm):
         return diloco.diloco_step(setup, state, batch, lr_at(setup, state.step))
-    scaling, comm_state = state.loss_scale, state.comm
+    scaling, comm_state, model_state = state.loss_scale, state.comm, state.model_state
     if comm.enabled(setup.config.comm):
         _, grads, loss_parts, ef = comm.loss_and_grads(setup, state.params, batch,
                                                        scaling.scale, state.comm.ef)
         comm_state = comm.CommState(ef=ef)
     else:
-        _, grads, loss_parts = loss_and_grads(setup, state.params, batch, scaling.scale)
+        _, grads, loss_parts, model_state = loss_grads_and_state(
+            setup, state.params, batch, scaling.scale, state.model_state)
     updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     params, loss_parts = moe.balance(setup.config.model, params, loss_parts)  # router biases
@@ -118,10 +133,11 @@ def train_step(setup: TrainSetup, state: TrainState, batch: Batch) -> tuple[Trai
         params = precision.select_tree(finite, params, state.params)
         opt_state = precision.select_tree(finite, opt_state, state.opt_state)
         comm_state = precision.select_tree(finite, comm_state, state.comm)
+        model_state = precision.select_tree(finite, model_state, state.model_state)
         scaling = precision.update_scale(scaling, finite, setup.config.precision)
     rng = jax.random.key_data(jax.random.split(jax.random.wrap_key_data(state.rng))[0])
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state, rng=rng,
-                           loss_scale=scaling, comm=comm_state)
+                           loss_scale=scaling, comm=comm_state, model_state=model_state)
     metrics = {"loss": loss_parts["loss"], "grad_norm": optax.tree.norm(grads),
                "lr": lr_at(setup, state.step), "loss_scale": scaling.scale,
                "skipped_steps": scaling.skipped,
@@ -158,15 +174,20 @@ def make_train_step(setup: TrainSetup, *, donate: bool = True
     )
 
 
-def make_eval_step(setup: TrainSetup) -> Callable[[nnx.State, Batch], jax.Array]:
-    """Cross-entropy on a held-out batch, no gradients."""
+def make_eval_step(setup: TrainSetup) -> Callable[..., jax.Array]:
+    """The model's ``loss`` metric on a held-out batch, in eval mode, no gradients:
+    ``eval_step(params, batch)``, or ``eval_step(params, batch, model_state)`` for a model
+    with non-trained state (batch statistics are then the running ones)."""
     batch_sh = setup.batch_sharding  # every batch key (inputs, targets, segment_ids, ...)
 
-    def eval_loss(params: nnx.State, batch: Batch) -> jax.Array:
+    def eval_loss(params: nnx.State, batch: Batch, model_state: nnx.State | None = None
+                  ) -> jax.Array:
         with compiling_for(setup.mesh):
-            return loss_and_metrics(setup, params, batch)[1]["loss"]
+            return loss_metrics_state(setup, params, batch, model_state,
+                                      training=False)[1]["loss"]
 
-    return jax.jit(
-        eval_loss,
-        in_shardings=(setup.state_shardings.params, batch_sh),
-    )
+    state_sh = setup.state_shardings
+    if state_sh.model_state is None:
+        return jax.jit(lambda params, batch: eval_loss(params, batch),
+                       in_shardings=(state_sh.params, batch_sh))
+    return jax.jit(eval_loss, in_shardings=(state_sh.params, batch_sh, state_sh.model_state))

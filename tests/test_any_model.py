@@ -1,0 +1,182 @@
+"""Any model, not only shardlib's: a user's own NNX module, loss and batch layout train on
+every mesh that needs no model capability exactly like one device, with FSDP chosen for
+an unannotated model, per-unit explicit gathers, non-trained state (BatchNorm, dropout),
+checkpoints restored onto another mesh, and one clear error for a capability it lacks."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import shardlib
+from shardlib.checkpoint import Checkpointer
+from shardlib.config import CheckpointConfig, Config, MeshConfig, OptimConfig, TrainConfig
+from shardlib.data.arrays import to_global
+from shardlib.errors import ConfigError
+from shardlib.train import objective
+from shardlib.train.state import build_setup, init_state, param_table
+from shardlib.train.step import make_eval_step, make_train_step
+from tests.helpers import TOL, assert_tensors_close
+from tests.user_models import convnet, dropout_mlp, image_batch, vit
+
+pytestmark = pytest.mark.contract
+
+MESHES = {  # the 2x2x2-and-flat meshes of batch axes and tensor: no capability needed
+    "data=8": MeshConfig(data=8), "fsdp=8": MeshConfig(data=1, fsdp=8),
+    "data=2,fsdp=4": MeshConfig(data=2, fsdp=4),
+    "data=2,fsdp=2,tensor=2": MeshConfig(data=2, fsdp=2, tensor=2),
+}
+MODELS = {"vit": vit, "convnet": convnet}
+
+
+def user_config(mesh: MeshConfig, steps: int = 3, **train) -> Config:
+    """fp32, batch 8, no warm-up, as the GPT equivalence suite (tests/helpers.tiny_config)."""
+    return Config(mesh=mesh, optim=OptimConfig(lr=1e-3, eps=1e-6, warmup_steps=0),
+                  train=TrainConfig(steps=steps, batch_size=8, eval_every=0, sample_tokens=0,
+                                    **train))
+
+
+def run_user(model: shardlib.Model, config: Config, devices: int = 8):
+    """Train ``config.train.steps`` steps on one ``image_batch`` (so the loss falls): (losses,
+    params by path, the final state, setup)."""
+    setup = build_setup(config, jax.devices()[:devices], model=model)
+    state, step = init_state(setup, 0), make_train_step(setup)
+    losses = []
+    for _ in range(config.train.steps):
+        batch = to_global(image_batch(0), setup.batch_sharding, model.batch)
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    params = {".".join(map(str, p)): np.asarray(v.get_value())
+              for p, v in nnx.to_flat_state(state.params)}
+    return np.array(losses), params, state, setup
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return {name: run_user(make(), user_config(MeshConfig(data=1)), devices=1)
+            for name, make in MODELS.items()}
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("name", MODELS)
+def test_user_model_trains_like_one_device(name, mesh, one_device):
+    losses, params, _, _ = run_user(MODELS[name](), user_config(MESHES[mesh]))
+    ref_losses, ref_params, _, _ = one_device[name]
+    np.testing.assert_allclose(losses, ref_losses, rtol=TOL)
+    assert losses[-1] < losses[0]
+    assert_tensors_close(params, ref_params, TOL)
+
+
+@pytest.mark.parametrize("mesh, accum", [(MeshConfig(data=2, fsdp=2, tensor=2), 2),
+                                         (MeshConfig(data=8, zero=1), 1),
+                                         (MeshConfig(data=8, zero=2), 1)])
+def test_accumulation_and_zero_on_images(mesh, accum, one_device):
+    """grad_accum splits rank-4 images into microbatches; ZeRO-1/2 shard an annotated
+    model's optimizer state (and gradients) over data: as one device."""
+    losses, params, _, _ = run_user(vit(), user_config(mesh, grad_accum=accum))
+    np.testing.assert_allclose(losses, one_device["vit"][0], rtol=TOL)
+    assert_tensors_close(params, one_device["vit"][1], TOL)
+
+
+def test_fsdp_gathers_each_block_by_hand():
+    """fsdp=8 on the ViT: explicit gathers (real reduce-scatters on XLA CPU), its two
+    blocks found as FSDP units, the parameters split 8 ways."""
+    setup = build_setup(user_config(MeshConfig(data=1, fsdp=8)), model=vit())
+    assert objective.explicit_fsdp_applies(setup)
+    assert setup.model.units == (("blocks",),)
+    state = init_state(setup, 0)
+    batch = to_global(image_batch(0), setup.batch_sharding, setup.model.batch)
+    hlo = make_train_step(setup).lower(state, batch).compile().as_text()
+    assert "reduce-scatter" in hlo
+    assert all("fsdp" in str(row.spec) for row in param_table(setup) if row.path.endswith(
+        "kernel") and "head" not in row.path)
+
+
+def test_unannotated_model_gets_fsdp_and_the_table_says_so():
+    """The ConvNet has no annotation: each parameter's largest dim that 8 divides is split
+    over fsdp, named ``fsdp_auto`` in the sharding table."""
+    setup = build_setup(user_config(MeshConfig(data=1, fsdp=8)), model=convnet())
+    rows = {row.path: row for row in param_table(setup)}
+    assert rows["conv2.kernel"].logical == (None, None, "fsdp_auto", None)  # first of equals
+    assert "fsdp" in str(rows["conv2.kernel"].spec)
+    assert "fsdp" not in str(rows["head.bias"].spec)  # 10 classes: 8 does not divide
+    assert not objective.explicit_fsdp_applies(setup)  # BatchNorm: XLA's partitioner
+
+
+def test_batchnorm_statistics_are_state_and_move():
+    _, _, state, setup = run_user(convnet(), user_config(MeshConfig(data=2, fsdp=4), steps=2))
+    means = {".".join(map(str, p)): np.asarray(v.get_value())
+             for p, v in nnx.to_flat_state(state.model_state)}
+    assert set(means) == {"bn1.mean", "bn1.var", "bn2.mean", "bn2.var"}
+    assert np.abs(means["bn1.mean"]).max() > 0  # the running mean left its zeros
+    batch = to_global(image_batch(9), setup.batch_sharding, setup.model.batch)
+    loss = make_eval_step(setup)(state.params, batch, state.model_state)
+    assert np.isfinite(float(loss))
+
+
+def test_dropout_stream_advances_each_step():
+    _, _, state, _ = run_user(dropout_mlp(), user_config(MeshConfig(data=8), steps=2))
+    counts = {".".join(map(str, p)): v.get_value()
+              for p, v in nnx.to_flat_state(state.model_state)}
+    assert int(counts["drop.rngs.count"]) == 2
+
+
+@pytest.mark.parametrize("option, needle", [
+    (dict(mesh=MeshConfig(data=2, tensor=4, sequence_parallel=True)), "'megatron'"),
+    (dict(mesh=MeshConfig(data=4, pipeline=2)), "'pipeline'"),
+    (dict(mesh=MeshConfig(data=4, expert=2)), "'experts'"),
+])
+def test_a_capability_the_model_lacks_is_one_error(option, needle):
+    config = dataclasses.replace(user_config(MeshConfig()), **option)
+    with pytest.raises(ConfigError, match=needle):
+        build_setup(config, model=vit())
+
+
+def test_rule_that_names_nothing_warns_and_own_dims_work():
+    config = dataclasses.replace(user_config(MeshConfig(data=4, tensor=2)),
+                                 rules=(("hidden", ("tensor",)), ("mlp", ("tensor",))))
+    with pytest.warns(UserWarning, match="rule hidden=tensor: no parameter"):
+        build_setup(config, model=vit())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_setup(dataclasses.replace(config, rules=(("mlp", ("tensor",)),)), model=vit())
+
+
+def test_train_api_checkpoints_resume_and_restore_onto_another_mesh(tmp_path):
+    """``shardlib.train`` on the user's data: examples/s (no tokens), a checkpoint, a
+    resume that continues as if uninterrupted, and a restore onto another mesh."""
+    mesh = MeshConfig(data=2, fsdp=2, tensor=2)
+    ckpt = CheckpointConfig(dir=str(tmp_path / "run"), every=2)
+    flat = OptimConfig(lr=1e-3, eps=1e-6, warmup_steps=0, min_lr_ratio=1.0)  # lr of any run
+    user_config = lambda m, **train: dataclasses.replace(  # noqa: E731
+        globals()["user_config"](m, **train), optim=flat)
+    whole = shardlib.train(user_config(mesh, steps=4, log_every=1), model=vit(),
+                           data=image_batch)
+    assert "examples_per_sec" in whole.history[0] and "tokens_per_sec" not in whole.history[0]
+    first = dataclasses.replace(user_config(mesh, steps=2, log_every=1), checkpoint=ckpt)
+    shardlib.train(first, model=vit(), data=image_batch)
+    second = dataclasses.replace(user_config(mesh, steps=4, log_every=1),
+                                 checkpoint=dataclasses.replace(ckpt, resume=True))
+    resumed = shardlib.train(second, model=vit(), data=image_batch)
+    assert resumed.resumed_from == 2
+    np.testing.assert_allclose([r["loss"] for r in resumed.history],
+                               [r["loss"] for r in whole.history[2:]], rtol=TOL)
+    other = build_setup(user_config(MeshConfig(data=1, fsdp=4, tensor=2)), model=vit())
+    checkpointer = Checkpointer(tmp_path / "run")
+    restored = checkpointer.restore(other)
+    checkpointer.close()
+    assert int(restored.step) == 4
+    for got, want in zip(jax.tree.leaves(restored.params), jax.tree.leaves(resumed.state.params),
+                         strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_train_package_is_importable_and_callable():
+    import shardlib.train.state as state_module
+
+    assert callable(shardlib.train) and state_module.build_setup is build_setup
