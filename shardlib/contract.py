@@ -16,7 +16,7 @@ trainer reaches it through this contract and imports no model.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import jax
@@ -65,7 +65,6 @@ class Model:
     name: str = "custom"
     units: tuple[tuple, ...] | None = None
     trainable: type = nnx.Param  # the variables the optimizer updates; the rest is state
-    extras: Mapping[str, object] = field(default_factory=dict)  # a family's own fields
 
     def __post_init__(self) -> None:
         unknown = set(self.capabilities) - set(CAPABILITIES)

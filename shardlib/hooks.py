@@ -65,6 +65,13 @@ def gather_weights(state: nnx.State) -> nnx.State:
     return state if active is None else active.gather(state)
 
 
+def regathering() -> bool:
+    """Whether the active strategy gathers each unit's weights again in its backward
+    (FSDP with ``reshard_after_forward``)."""
+    active = _WEIGHTS.get()
+    return active is not None and active.reshard_after_forward
+
+
 def gathered(x: jax.Array) -> jax.Array:
     """Tag a value computed from gathered weights alone (a stacked qkv, say) so that the
     remat policy treats it like the weights: recomputed in backward, not saved."""

@@ -8,12 +8,14 @@ for a person, with the parameter sharding table first.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import jax
@@ -21,22 +23,30 @@ import jax.numpy as jnp
 from rich.console import Console
 from rich.table import Table
 
-from shardlib.analysis.flops import FlopsReport, flops_report
+from shardlib.analysis.flops import FlopsReport, flops_report, xla_flops
 from shardlib.analysis.hlo import Collective, comm_bytes_per_device, parse_collectives
 from shardlib.analysis.kernels import KernelFacts, compiled_attention, kernel_facts
-from shardlib.analysis.memory import MemoryReport, memory_report
+from shardlib.analysis.memory import MemoryReport, memory_report, state_bytes
 from shardlib.analysis.peak import PeakTerms, peak_terms
 from shardlib.analysis.tables import rules_line, sharding_table
 from shardlib.analysis.theory import Term, comm_bytes, state_bytes_per_device
+from shardlib.analysis.tree import gathered_bytes, tree_comm_terms, tree_peak_terms
 from shardlib.config import Config, to_dict
+from shardlib.contract import Model
 from shardlib.errors import OutOfMemoryError
 from shardlib.mesh import capability_of, describe, platform_of
-from shardlib.models import count_params
 from shardlib.models.attention import resolve as resolve_attention
 from shardlib.parallel import tensor
 from shardlib.target import Target, parse_target
+from shardlib.train.objective import explicit_fsdp_applies
 from shardlib.train.pipeline_theory import executed, step_comm_terms
-from shardlib.train.state import TrainSetup, abstract_state, build_setup, param_table
+from shardlib.train.state import (
+    TrainSetup,
+    abstract_state,
+    batch_sharding_of,
+    build_setup,
+    param_table,
+)
 from shardlib.train.step import make_train_step
 from shardlib.units import format_bytes
 
@@ -101,19 +111,25 @@ def abstract_batch(setup: TrainSetup) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def analyze(config: Config, devices: list[jax.Device] | None = None, *,
-            target: str | Target | None = None) -> Inspection:
+            target: str | Target | None = None, model: Model | None = None,
+            batch: Mapping[str, Any] | None = None) -> Inspection:
     """Build the setup, AOT-compile the train step and measure it against the theory.
     ``target`` (``v5p-128``, ``h100x8``, ...): compile for that slice or node instead of
     ``devices`` (``shardlib.target``); ``OutOfMemoryError`` if its compiler refuses the
-    step for want of device memory."""
+    step for want of device memory. ``model``: a user's ``shardlib.Model`` (else the
+    built-in GPT of ``config.model``), with ``batch`` one global batch of it (arrays or
+    shape structs), held to the theory of its parameter tree (``analysis.tree``)."""
     target = parse_target(target) if isinstance(target, str) else target
-    setup = build_setup(config, target.devices() if target else devices)
-    state, batch = abstract_state(setup), abstract_batch(setup)
+    setup = build_setup(config, target.devices() if target else devices, model=model)
+    state = abstract_state(setup)
+    batch = abstract_batch(setup) if batch is None else abstract_user_batch(setup, batch)
     started = time.perf_counter()
     compiled = compile_step(setup, state, batch, target)
     compile_s = time.perf_counter() - started
     text = compiled.as_text()
     collectives = executed(parse_collectives(text, setup.mesh), config, setup.sizes)
+    if not setup.model.has("planner"):
+        return _analyze_tree(setup, compiled, state, batch, collectives, compile_s, target)
     terms = step_comm_terms(config, setup.sizes, gather_bytes=gather_bytes(setup),
                        act_bytes=activation_bytes(setup))
     memory = memory_report(compiled, state, batch, state_bytes_per_device(config, setup.sizes),
@@ -122,6 +138,40 @@ def analyze(config: Config, devices: list[jax.Device] | None = None, *,
     facts = kernel_facts(text)
     return Inspection(setup, collectives, terms, memory, peak_formula(setup), flops, compile_s,
                       facts, compiled_attention(attention_kernel(setup), facts), target)
+
+
+def abstract_user_batch(setup: TrainSetup, batch: Mapping[str, Any]
+                        ) -> dict[str, jax.ShapeDtypeStruct]:
+    """A user's global batch (arrays or shape structs) as sharded shape structs."""
+    return {key: jax.ShapeDtypeStruct(batch[key].shape, batch[key].dtype,
+                                      sharding=batch_sharding_of(setup, key))
+            for key in setup.model.batch}
+
+
+def _analyze_tree(setup: TrainSetup, compiled: Any, state: Any, batch: Any,
+                  collectives: list[Collective], compile_s: float,
+                  target: Target | None) -> Inspection:
+    """``analyze``'s theory for a user's model: terms and peak from its parameter tree."""
+    explicit = explicit_fsdp_applies(setup)
+    cpu = platform_of(setup.mesh) == "cpu"
+    specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
+    units = setup.model.units or ()
+    scale = Fraction(1) if cpu or not explicit else Fraction(
+        jnp.dtype(setup.policy.compute).itemsize, jnp.dtype(setup.policy.param).itemsize)
+    terms = tree_comm_terms(setup.abstract_params, specs, setup.sizes, units,
+                            regather=explicit and setup.config.mesh.reshard_after_forward,
+                            gather_scale=scale)
+    held = state_bytes(state)
+    memory = memory_report(compiled, state, batch, held.params + held.opt_state,
+                           platform_of(setup.mesh))
+    unit_bytes = gathered_bytes(setup.abstract_params, specs, setup.sizes, units)
+    peak = tree_peak_terms(held.params + held.opt_state, held.params, unit_bytes,
+                           fsdp=setup.sizes.get("fsdp", 1), explicit=explicit)
+    xla = xla_flops(compiled)
+    flops = FlopsReport(xla, 0, 0, 0.0, False)
+    facts = kernel_facts(compiled.as_text())
+    return Inspection(setup, collectives, terms, memory, peak, flops, compile_s, facts,
+                      "the model's own", target)
 
 
 def compile_step(setup: TrainSetup, state: Any, batch: Any, target: Target | None, *,
@@ -234,6 +284,11 @@ def per_axis(ins: Inspection) -> dict[str, dict[str, Any]]:
     return out
 
 
+def num_params(setup: TrainSetup) -> int:
+    """The model's trained parameters (from the abstract tree)."""
+    return sum(math.prod(v.shape) for v in jax.tree.leaves(setup.abstract_params))
+
+
 def _plain(value: Any) -> Any:
     """Tuples to lists, recursively: what a JSON round trip gives back."""
     if isinstance(value, dict):
@@ -257,7 +312,8 @@ def to_json(ins: Inspection) -> dict[str, Any]:
         "mesh": dict(setup.sizes), "devices": int(setup.mesh.devices.size),
         "platform": setup.mesh.devices.flat[0].platform,
         "rules": {dim: list(axes) for dim, axes in setup.rules.items()},
-        "config": _plain(to_dict(setup.config)), "num_params": count_params(setup.config.model),
+        "config": _plain(to_dict(setup.config)), "num_params": num_params(setup),
+        "model": setup.model.name,
         "compile_seconds": ins.compile_s,
         "collectives": [collective_dict(c) for c in ins.collectives],
         "comm_bytes_per_device": ins.comm_bytes,
@@ -283,12 +339,13 @@ def target_dict(target: Target, *, fits: bool | None, **extra: Any) -> dict[str,
 
 
 def inspect(config: Config, devices: list[jax.Device] | None = None, *,
-            target: str | Target | None = None) -> dict[str, Any]:
-    """Compile ``config``'s train step without running it; see ``to_json``. With a
-    ``target`` whose compiler finds the step too big: ``{"target": {..., "fits": false,
-    "required_bytes", "error"}}`` and nothing else."""
+            target: str | Target | None = None, model: Model | None = None,
+            batch: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Compile ``config``'s train step (of ``model`` on ``batch``, see ``analyze``) without
+    running it; see ``to_json``. With a ``target`` whose compiler finds the step too big:
+    ``{"target": {..., "fits": false, "required_bytes", "error"}}`` and nothing else."""
     try:
-        return to_json(analyze(config, devices, target=target))
+        return to_json(analyze(config, devices, target=target, model=model, batch=batch))
     except OutOfMemoryError as err:
         target = parse_target(target) if isinstance(target, str) else target
         if target is None:
@@ -392,9 +449,14 @@ def render(ins: Inspection, console: Console | None = None) -> None:
         console.print(ins.target.describe())
     console.print(describe(setup.mesh))
     console.print(rules_line(setup.rules, setup.sizes))
-    console.print(f"model {model.name}: {count_params(model):,} parameters, {model.num_layers} "
-                  f"layers, d_model {model.d_model}; batch {tc.batch_size} x {tc.seq_len} tokens; "
-                  f"compiled in {ins.compile_s:.1f} s")
+    if setup.model.has("planner"):
+        console.print(f"model {model.name}: {num_params(setup):,} parameters, "
+                      f"{model.num_layers} layers, d_model {model.d_model}; batch "
+                      f"{tc.batch_size} x {tc.seq_len} tokens; compiled in {ins.compile_s:.1f} s")
+    else:
+        console.print(f"model {setup.model.name}: {num_params(setup):,} parameters, FSDP units "
+                      f"{setup.model.units or 'none'}; batch {tc.batch_size}; compiled in "
+                      f"{ins.compile_s:.1f} s")
     console.print(sharding_table(param_table(setup)))
     console.print(collectives_table(ins))
     console.print(theory_table(ins))

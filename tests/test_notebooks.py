@@ -35,6 +35,7 @@ PARAMETERS: dict[str, dict[str, object]] = {
     "08_real_data": {"MODEL": "tiny", "STEPS": 6, "SEQ_LEN": 64, "CORPUS_MB": 0.5,
                      "VOCAB": 512},
     "09_compile_for_tpu": {"MODEL": "tiny", "SEQ_LEN": 64, "BATCH_SIZE": 8},
+    "10_own_model": {"STEPS": 6, "DEPTH": 2},
 }
 CELL_TIMEOUT_S = 600
 

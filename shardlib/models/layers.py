@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from shardlib import hooks
@@ -447,6 +448,44 @@ def call_gathered(module: nnx.Module, *args: jax.Array):
     """``module(*args)`` with the module's weights gathered first: one FSDP unit."""
     graphdef, state = nnx.split(module)
     return nnx.merge(graphdef, hooks.gather_weights(state))(*args)
+
+
+def remat_unit(fn: Callable, policy: str) -> Callable:
+    """``remat(fn, policy)`` for a unit run outside a layer scan (a list of layers).
+
+    Under FSDP with ``reshard_after_forward`` the backward's re-gather of the unit's
+    weights is an all-gather of the same shard as the forward's, and XLA's common
+    subexpression elimination merges the two (measured on XLA CPU: no re-gather, every
+    unit's gathered weights alive from its forward to its backward). Here the backward
+    runs inside a ``lax.cond`` on its incoming gradient, a computation of its own that
+    the forward's cannot be merged into; the values are those of ``remat``'s (where the
+    incoming gradient is not finite, the unit's gradients are NaN)."""
+    wrapped = remat(fn, policy)
+    if not hooks.regathering():
+        return wrapped
+
+    @jax.custom_vjp
+    def unit(*args: Any) -> Any:
+        return wrapped(*args)
+
+    def forward(*args: Any) -> tuple[Any, Any]:
+        out, vjp_fn = jax.vjp(wrapped, *args)
+        return out, (vjp_fn, args)
+
+    def backward(residuals: tuple[Callable, tuple], cotangent: Any) -> Any:
+        vjp_fn, args = residuals
+        floats = [x for x in jax.tree.leaves(cotangent) if jnp.issubdtype(x.dtype, jnp.inexact)]
+        if not floats:
+            return vjp_fn(cotangent)
+        # a non-finite gradient stays non-finite (NaN) without running the unit's backward;
+        # from the inputs, so each NaN is typed (varying over manual axes) as its input
+        nans = lambda _: jax.tree.map(lambda a: a * jnp.array(jnp.nan, a.dtype)
+                                      if jnp.issubdtype(a.dtype, jnp.inexact)
+                                      else np.zeros(a.shape, jax.dtypes.float0), args)
+        return jax.lax.cond(jnp.isfinite(floats[0].reshape(-1)[0]), vjp_fn, nans, cotangent)
+
+    unit.defvjp(forward, backward)
+    return unit
 
 
 def layer_body(stacked: nnx.Module, remat_policy: str = "none"

@@ -19,7 +19,7 @@ import jax
 from flax import nnx
 
 from shardlib import hooks
-from shardlib.models.layers import remat
+from shardlib.models.layers import remat_unit
 
 
 def find_units(module: nnx.Module) -> tuple[tuple, ...]:
@@ -57,13 +57,16 @@ class GatheredUnit(nnx.Module):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         graphdef, params, rest = nnx.split(self.inner, nnx.Param, ...)
+        arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
+        static = {k: v for k, v in kwargs.items() if k not in arrays}
 
-        def run(params: nnx.State, rest: nnx.State) -> tuple[Any, nnx.State]:
+        def run(params: nnx.State, rest: nnx.State, arrays: dict, *args: Any
+                ) -> tuple[Any, nnx.State]:
             unit = nnx.merge(graphdef, hooks.gather_weights(params), rest)
-            out = unit(*args, **kwargs)
+            out = unit(*args, **arrays, **static)
             return out, nnx.state(unit, nnx.Not(nnx.Param))
 
-        out, rest = remat(run, self.policy)(params, rest)
+        out, rest = remat_unit(run, self.policy)(params, rest, arrays, *args)
         nnx.update(self.inner, rest)
         return out
 

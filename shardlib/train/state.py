@@ -257,10 +257,15 @@ def batch_sharding(config: Config, mesh: Mesh, rules: sharding.Rules,
     return {key: NamedSharding(mesh, spec) for key, spec in specs.items()}
 
 
+def batch_sharding_of(setup: TrainSetup, key: str) -> NamedSharding:
+    """The sharding of batch array ``key``."""
+    sh = setup.batch_sharding
+    return sh[key] if isinstance(sh, dict) else sh
+
+
 def batch_spec_of(setup: TrainSetup, key: str) -> PartitionSpec:
     """The PartitionSpec of batch array ``key``."""
-    sh = setup.batch_sharding
-    return sh[key].spec if isinstance(sh, dict) else sh.spec
+    return batch_sharding_of(setup, key).spec
 
 
 def start_state(setup: TrainSetup, params: nnx.State, state_key: jax.Array,
