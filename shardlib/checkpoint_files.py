@@ -1,0 +1,322 @@
+"""What a checkpoint folder holds beside orbax's files, and what guards it:
+
+    DIR/<step>/shardlib_files.json   the commit record: every file's size and crc32
+    DIR/.shardlib-lock.json          the writer's lock: host, pid, start time
+
+The record is written after orbax has written a step and before its temp folder is
+renamed final; ``check_record`` reads every file back against it before a restore, so a
+missing, truncated or bit-flipped file is named with its step. The lock keeps a second
+run from writing (or cleaning) a folder that a live run writes. ``storage_cause`` turns
+an error of a failed write into the few words a one-line message needs.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import time
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from shardlib.distributed import any_process, is_main_process
+from shardlib.errors import CheckpointError, CheckpointInUseError, DamagedCheckpointError
+
+FILE_LIST = "shardlib_files.json"
+LOCK_FILE = ".shardlib-lock.json"
+ITEMS = ("state", "config", "data")
+_TMP_DIR = re.compile(r"^(\d+)\..*tmp")  # orbax's '<step>.orbax-checkpoint-tmp[-<time>]'
+_CHUNK = 8 << 20  # bytes read at a time when checksumming
+_HELD: set[Path] = set()  # lock files held by this process's Checkpointers
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint step was skipped (never finished, or damaged), or a stale lock taken."""
+
+
+def warn(message: str) -> None:
+    """One CheckpointWarning line, attributed to the caller's caller."""
+    warnings.warn(message, CheckpointWarning, stacklevel=3)
+
+
+# -- the commit record ----------------------------------------------------------------
+
+
+def file_crc(path: Path, buffer: bytearray) -> int:
+    """zlib's crc32 of a file, read through ``buffer`` (no allocation per chunk)."""
+    crc, view = 0, memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while count := f.readinto(buffer):
+            crc = zlib.crc32(view[:count], crc)
+    return crc
+
+
+def item_files(folder: Path) -> list[Path]:
+    """Every file orbax wrote for the items of a step folder, sorted."""
+    return [p for item in ITEMS for p in sorted((folder / item).rglob("*")) if p.is_file()]
+
+
+def write_record(folder: Path, step: int, *, checksums: bool = True) -> None:
+    """Write ``folder``'s commit record: each item file's size and (``checksums``) crc32.
+    Files written in the last moments are still in the page cache: the pass is a memcpy."""
+    buffer = bytearray(_CHUNK)
+    files: dict[str, Any] = {}
+    for path in item_files(folder):
+        size = path.stat().st_size
+        files[str(path.relative_to(folder))] = (
+            {"size": size, "crc32": file_crc(path, buffer)} if checksums else size)
+    tmp = folder / (FILE_LIST + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "checksum": "crc32" if checksums else None,
+                               "files": files}, indent=1))
+    os.replace(tmp, folder / FILE_LIST)
+
+
+def check_record(folder: Path, where: str, *, checksums: bool = True) -> None:
+    """Raise DamagedCheckpointError (``where``: which step) naming the first file that is
+    missing, has another size or (``checksums``) another crc32 than its record says. A
+    step without a record is left to orbax's own checks; sizes-only records still work."""
+    listing = folder / FILE_LIST
+    if not listing.is_file():
+        return
+    try:
+        files = json.loads(listing.read_text())["files"]
+    except (OSError, ValueError, KeyError) as err:
+        raise DamagedCheckpointError(f"{where}: {FILE_LIST} is unreadable ({err})") from None
+    buffer = bytearray(_CHUNK) if checksums else bytearray()
+    for name, entry in files.items():
+        size, crc = (entry, None) if isinstance(entry, int) else (entry["size"], entry["crc32"])
+        path = folder / name
+        if not path.is_file():
+            raise DamagedCheckpointError(f"{where}: file {name} is missing")
+        if path.stat().st_size != size:
+            raise DamagedCheckpointError(f"{where}: file {name} has {path.stat().st_size} "
+                                         f"bytes, expected {size} (truncated?)")
+        if checksums and crc is not None and (found := file_crc(path, buffer)) != crc:
+            raise DamagedCheckpointError(f"{where}: file {name} has crc32 {found:08x}, "
+                                         f"expected {crc:08x} (its bytes changed after the "
+                                         "save)")
+
+
+# -- step folders ---------------------------------------------------------------------
+
+
+def incomplete_steps(directory: Path) -> list[int]:
+    """Steps whose save started but never finished: orbax temp folders, never renamed."""
+    matches = (_TMP_DIR.match(entry.name) for entry in directory.iterdir() if entry.is_dir())
+    return sorted({int(match.group(1)) for match in matches if match})
+
+
+def remove_incomplete(directory: Path, step: int | None = None) -> None:
+    """Delete the temp folders of unfinished saves (only those of ``step``, if given).
+    Only the folder's lock holder (or, without a lock, the writer of ``step``) calls it."""
+    if not directory.is_dir():
+        return
+    for entry in directory.iterdir():
+        match = _TMP_DIR.match(entry.name)
+        if match and entry.is_dir() and step in (None, int(match.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def finished_steps(directory: Path) -> list[int]:
+    """Step folders on disk (renamed final), oldest first; read without orbax."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+# -- a failed write, in a few words -----------------------------------------------------
+
+_FIXES = {
+    errno.ENOSPC: "disk full: free space there or pick another --checkpoint-dir",
+    errno.EDQUOT: "quota exceeded: free space there or pick another --checkpoint-dir",
+    errno.EACCES: "fix the folder's permissions or pick another --checkpoint-dir",
+    errno.EPERM: "fix the folder's permissions or pick another --checkpoint-dir",
+    errno.EROFS: "the filesystem is read-only: pick another --checkpoint-dir",
+    errno.ENOENT: "the folder vanished while the run wrote it: check what removed it",
+}
+
+
+def error_code(err: BaseException) -> int | None:
+    """The errno behind ``err``: an OSError in its chain, or tensorstore's os_error_code."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return seen.errno
+        found = re.search(r"os_error_code='?(\d+)|\[Errno (\d+)\]", str(seen))
+        if found:
+            return int(found.group(1) or found.group(2))
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def storage_cause(err: BaseException) -> tuple[str, str]:
+    """(cause, fix) of a failed write: 'No space left on device (ENOSPC)' and what to do."""
+    code = error_code(err)
+    if code is None:
+        text = str(err).strip().splitlines()[0][:300] if str(err).strip() else repr(err)
+        return text, "fix the storage"
+    return (f"{os.strerror(code)} ({errno.errorcode.get(code, code)})",
+            _FIXES.get(code, "fix the storage"))
+
+
+class QuietOrbax(logging.Filter):
+    """Drops orbax's ERROR records (each a traceback): every error of a save or a read
+    is raised again as one CheckpointError line that names its cause."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+QUIET_ORBAX = QuietOrbax()
+
+
+# -- the writer's lock ------------------------------------------------------------------
+
+
+def _process_start(pid: int) -> str | None:
+    """The kernel's start time of ``pid`` (Linux; None elsewhere): tells a reused pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(holder: dict[str, Any]) -> bool:
+    """Whether the lock's holder still runs: on another host, assumed so."""
+    if holder.get("host") != socket.gethostname():
+        return True
+    pid = int(holder.get("pid", 0))
+    if pid <= 0:
+        return True  # no pid recorded: cannot tell
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    started = holder.get("start")
+    return started is None or started == _process_start(pid)
+
+
+def read_lock_file(path: Path) -> dict[str, Any] | None:
+    """A lock file's holder ({} if unreadable), None if there is none."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+
+
+def read_lock(directory: Path) -> dict[str, Any] | None:
+    """The holder recorded in ``directory``'s lock ({} if unreadable), None if unlocked."""
+    return read_lock_file(directory / LOCK_FILE)
+
+
+def live_holder(directory: Path) -> dict[str, Any] | None:
+    """The holder of ``directory``'s lock if it still runs (or cannot be checked)."""
+    holder = read_lock(directory)
+    path = (directory / LOCK_FILE).resolve()
+    if holder is None or (path not in _HELD and holder and not _alive(holder)):
+        return None
+    return holder
+
+
+def describe(holder: dict[str, Any]) -> str:
+    """'pid 123 on host h (since 2026-11-28 05:40:00 UTC)', or what is known."""
+    if not holder:
+        return "an unknown holder (its lock file is unreadable)"
+    since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(holder.get("time", 0)))
+    return f"pid {holder.get('pid')} on host {holder.get('host')} (since {since})"
+
+
+class FolderLock:
+    """The one-writer lock of a checkpoint folder: a JSON file naming the holder's host,
+    pid and start time, created exclusively; ``release`` removes it if it is still ours."""
+
+    def __init__(self, path: Path, content: dict[str, Any]):
+        self.path, self.content = path, content
+
+    @classmethod
+    def take(cls, directory: Path, flag: str) -> FolderLock:
+        """Take ``directory``'s lock, or raise CheckpointInUseError naming the live holder
+        (touching nothing). A stale lock (same host, dead pid) is taken over, warning."""
+        path = (directory / LOCK_FILE).resolve()
+        content = {"host": socket.gethostname(), "pid": os.getpid(),
+                   "start": _process_start(os.getpid()), "time": time.time()}
+        for _ in range(3):  # a lock that vanishes or goes stale meanwhile: try again
+            if cls._create(path, content, flag):
+                _HELD.add(path)
+                return cls(path, content)
+            holder = read_lock(directory)
+            if holder is None:
+                continue
+            if path in _HELD or not holder or _alive(holder):
+                raise CheckpointInUseError(
+                    f"{flag}: in use by another run, {describe(holder)}; wait for it to end "
+                    f"or pick another directory (if no run writes there, delete {path})")
+            warn(f"{flag}: taking over the lock of {describe(holder)}, which no longer runs")
+            cls._set_aside(path, holder)
+        raise CheckpointInUseError(f"{flag}: could not take its lock {path}; try again")
+
+    @staticmethod
+    def _create(path: Path, content: dict[str, Any], flag: str) -> bool:
+        """Create the lock file exclusively; False if it exists."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        except OSError as err:
+            raise CheckpointError(f"{flag}: not writable ({err.strerror}); fix its "
+                                  "permissions or pick another directory") from None
+        with os.fdopen(fd, "w") as f:
+            json.dump(content, f)
+        return True
+
+    @staticmethod
+    def _set_aside(path: Path, stale: dict[str, Any]) -> None:
+        """Remove a stale lock, unless another run replaced it meanwhile (then it is put
+        back): the rename lets only one of two runs taking it over at once remove it."""
+        aside = path.with_name(f"{path.name}.stale-{os.getpid()}")
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return
+        if read_lock_file(aside) != stale:
+            os.rename(aside, path)
+        else:
+            aside.unlink()
+
+    def release(self) -> None:
+        """Remove the lock file if it still holds our content (a vanished folder is fine)."""
+        _HELD.discard(self.path)
+        try:
+            if json.loads(self.path.read_text()) == self.content:
+                self.path.unlink()
+        except (OSError, ValueError):
+            pass
+
+
+def take_lock(directory: Path, flag: str) -> FolderLock | None:
+    """``directory``'s lock, taken by process 0; every process raises if it was refused
+    (a collective in multi-process jobs: every process opens the folder)."""
+    lock, refused = None, None
+    if is_main_process():
+        try:
+            lock = FolderLock.take(directory, flag)
+        except CheckpointError as err:
+            refused = err
+    if jax.process_count() > 1 and any_process(refused is not None) and refused is None:
+        raise CheckpointInUseError(f"{flag}: process 0 could not take its lock (see its "
+                                   "message)")
+    if refused is not None:
+        raise refused
+    return lock
