@@ -45,6 +45,7 @@ from shardlib.checkpoint_files import (
     finished_steps,
     incomplete_steps,
     live_holder,
+    quiet_closed_loops,
     remove_incomplete,
     storage_cause,
     take_lock,
@@ -166,6 +167,7 @@ class Checkpointer:
         # saved beside the state so --resume reads exactly the batches that come next
         self.data_state: Callable[[int], dict[str, Any]] | None = None
         logging.getLogger("absl").addFilter(QUIET_ORBAX)
+        quiet_closed_loops()
         try:
             self._note_incomplete()
             self._closed = False

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import time
 import warnings
 import zlib
@@ -167,14 +168,33 @@ def storage_cause(err: BaseException) -> tuple[str, str]:
 
 
 class QuietOrbax(logging.Filter):
-    """Drops orbax's ERROR records (each a traceback): every error of a save or a read
-    is raised again as one CheckpointError line that names its cause."""
+    """Drops orbax's ERROR records of a save (each a traceback, logged on its writer
+    threads): a failed save is raised again as one CheckpointWriteError line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname
+        if record.levelno < logging.ERROR or f"{os.sep}orbax{os.sep}" not in record.pathname:
+            return True
+        text = str(record.msg).lower()
+        return record.threadName == "MainThread" and "save" not in text and "commit" not in text
 
 
 QUIET_ORBAX = QuietOrbax()
+
+
+def quiet_closed_loops() -> None:
+    """Drop the unraisable 'Event loop is closed' tracebacks of a failed save (the writes
+    orbax abandoned finish into its closed event loop); others still print."""
+    previous = sys.unraisablehook
+    if getattr(previous, "shardlib_quiet", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        value = unraisable.exc_value
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.shardlib_quiet = True
+    sys.unraisablehook = hook
 
 
 # -- the writer's lock ------------------------------------------------------------------
