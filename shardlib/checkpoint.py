@@ -27,7 +27,6 @@ import errno
 import logging
 import os
 import queue
-import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +40,8 @@ import orbax.checkpoint as ocp
 from shardlib.checkpoint_files import (
     QUIET_ORBAX,
     CheckpointWarning,  # noqa: F401 (shardlib.checkpoint.CheckpointWarning, as before)
+    check_directory,
+    check_path,  # noqa: F401 (shardlib.checkpoint.check_path, as before: run.startup)
     check_record,
     finished_steps,
     incomplete_steps,
@@ -61,41 +62,6 @@ from shardlib.errors import (
     ShardlibError,
 )
 from shardlib.precision import finite_flag
-
-
-def check_path(path: str | os.PathLike, *, must_exist: bool = False) -> Path:
-    """The directory as an absolute path, checked without creating or writing anything: a
-    writable directory, or a missing one whose parent exists (unless ``must_exist``)."""
-    directory = Path(path).expanduser().absolute()
-    flag = f"--checkpoint-dir {path}"
-    if directory.exists() and not directory.is_dir():
-        raise CheckpointError(f"{flag}: exists and is not a directory; pass a directory path")
-    if not directory.exists() and (must_exist or not directory.parent.is_dir()):
-        raise CheckpointError(f"{flag}: no such directory" if must_exist else
-                              f"{flag}: parent directory {directory.parent} does not exist; "
-                              "create it first or pick another path")
-    where = directory if directory.exists() else directory.parent
-    if not must_exist and not os.access(where, os.W_OK | os.X_OK):
-        raise CheckpointError(f"{flag}: not writable; fix its permissions or pick another "
-                              "directory")
-    return directory
-
-
-def check_directory(path: str | os.PathLike, *, create: bool = True,
-                    probe: bool = True) -> Path:
-    """The directory as an absolute path; with ``create``, made if missing (its parent must
-    exist) and (``probe``) tried with a real write. Raises CheckpointError before training."""
-    directory = check_path(path, must_exist=not create)
-    if create:
-        try:
-            directory.mkdir(exist_ok=True)
-            if probe:
-                with tempfile.NamedTemporaryFile(dir=directory, prefix=".shardlib-probe-"):
-                    pass
-        except OSError as err:
-            raise CheckpointError(f"--checkpoint-dir {path}: not writable ({err.strerror}); "
-                                  "fix its permissions or pick another directory") from None
-    return directory
 
 
 def host_copy(state: Any) -> Any:
@@ -231,6 +197,7 @@ class Checkpointer:
             return
         self._orbax_wait(at=step)  # the file-list callback knows its step
         self._saving = step
+        self._verified.discard(step)  # a step saved again (after rotation) is checked again
         finite = finite_flag(state)  # on device, before the next step may donate it
         items = {"state": ocp.args.PyTreeSave(host_copy(state) if copy else state)}
         if config is not None:

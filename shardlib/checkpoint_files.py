@@ -7,7 +7,8 @@ The record is written after orbax has written a step and before its temp folder 
 renamed final; ``check_record`` reads every file back against it before a restore, so a
 missing, truncated or bit-flipped file is named with its step. The lock keeps a second
 run from writing (or cleaning) a folder that a live run writes. ``storage_cause`` turns
-an error of a failed write into the few words a one-line message needs.
+an error of a failed write into the few words a one-line message needs. ``check_path``
+and ``check_directory`` check the folder itself before anything is written.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import re
 import shutil
 import socket
 import sys
+import tempfile
 import time
 import warnings
 import zlib
@@ -46,6 +48,44 @@ class CheckpointWarning(UserWarning):
 def warn(message: str) -> None:
     """One CheckpointWarning line, attributed to the caller's caller."""
     warnings.warn(message, CheckpointWarning, stacklevel=3)
+
+
+# -- the folder ------------------------------------------------------------------------
+
+
+def check_path(path: str | os.PathLike, *, must_exist: bool = False) -> Path:
+    """The directory as an absolute path, checked without creating or writing anything: a
+    writable directory, or a missing one whose parent exists (unless ``must_exist``)."""
+    directory = Path(path).expanduser().absolute()
+    flag = f"--checkpoint-dir {path}"
+    if directory.exists() and not directory.is_dir():
+        raise CheckpointError(f"{flag}: exists and is not a directory; pass a directory path")
+    if not directory.exists() and (must_exist or not directory.parent.is_dir()):
+        raise CheckpointError(f"{flag}: no such directory" if must_exist else
+                              f"{flag}: parent directory {directory.parent} does not exist; "
+                              "create it first or pick another path")
+    where = directory if directory.exists() else directory.parent
+    if not must_exist and not os.access(where, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{flag}: not writable; fix its permissions or pick another "
+                              "directory")
+    return directory
+
+
+def check_directory(path: str | os.PathLike, *, create: bool = True,
+                    probe: bool = True) -> Path:
+    """The directory as an absolute path; with ``create``, made if missing (its parent must
+    exist) and (``probe``) tried with a real write. Raises CheckpointError before training."""
+    directory = check_path(path, must_exist=not create)
+    if create:
+        try:
+            directory.mkdir(exist_ok=True)
+            if probe:
+                with tempfile.NamedTemporaryFile(dir=directory, prefix=".shardlib-probe-"):
+                    pass
+        except OSError as err:
+            raise CheckpointError(f"--checkpoint-dir {path}: not writable ({err.strerror}); "
+                                  "fix its permissions or pick another directory") from None
+    return directory
 
 
 # -- the commit record ----------------------------------------------------------------
