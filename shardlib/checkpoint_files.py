@@ -1,6 +1,6 @@
 """What a checkpoint folder holds beside orbax's files, and what guards it:
 
-    DIR/<step>/shardlib_files.json   the commit record: every file's size and crc32
+    DIR/<step>/shardlib_files.json   the commit record: every file's size, and its crc32
     DIR/.shardlib-lock.json          the writer's lock: host, pid, start time
 
 The record is written after orbax has written a step and before its temp folder is
@@ -107,16 +107,16 @@ def item_files(folder: Path) -> list[Path]:
 
 
 def write_record(folder: Path, step: int, *, checksums: bool = True) -> None:
-    """Write ``folder``'s commit record: each item file's size and (``checksums``) crc32.
-    Files written in the last moments are still in the page cache: the pass is a memcpy."""
-    files: dict[str, Any] = {}
-    for path in item_files(folder):
-        size = path.stat().st_size
-        files[str(path.relative_to(folder))] = (
-            {"size": size, "crc32": file_crc(path)} if checksums else size)
+    """Write ``folder``'s commit record: each item file's size and (``checksums``) crc32,
+    in a map of their own (readers that know only sizes still read it). Files written in
+    the last moments are still in the page cache: the pass reads memory."""
+    paths = {str(p.relative_to(folder)): p for p in item_files(folder)}
+    record: dict[str, Any] = {"step": step,
+                              "files": {name: p.stat().st_size for name, p in paths.items()}}
+    if checksums:
+        record["crc32"] = {name: file_crc(p) for name, p in paths.items()}
     tmp = folder / (FILE_LIST + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "checksum": "crc32" if checksums else None,
-                               "files": files}, indent=1))
+    tmp.write_text(json.dumps(record, indent=1))
     os.replace(tmp, folder / FILE_LIST)
 
 
@@ -128,18 +128,18 @@ def check_record(folder: Path, where: str, *, checksums: bool = True) -> None:
     if not listing.is_file():
         return
     try:
-        files = json.loads(listing.read_text())["files"]
+        record = json.loads(listing.read_text())
+        files, crcs = record["files"], record.get("crc32", {}) if checksums else {}
     except (OSError, ValueError, KeyError) as err:
         raise DamagedCheckpointError(f"{where}: {FILE_LIST} is unreadable ({err})") from None
-    for name, entry in files.items():
-        size, crc = (entry, None) if isinstance(entry, int) else (entry["size"], entry["crc32"])
-        path = folder / name
+    for name, size in files.items():
+        crc, path = crcs.get(name), folder / name
         if not path.is_file():
             raise DamagedCheckpointError(f"{where}: file {name} is missing")
         if path.stat().st_size != size:
             raise DamagedCheckpointError(f"{where}: file {name} has {path.stat().st_size} "
                                          f"bytes, expected {size} (truncated?)")
-        if checksums and crc is not None and (found := file_crc(path)) != crc:
+        if crc is not None and (found := file_crc(path)) != crc:
             raise DamagedCheckpointError(f"{where}: file {name} has crc32 {found:08x}, "
                                          f"expected {crc:08x} (its bytes changed after the "
                                          "save)")
