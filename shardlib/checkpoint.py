@@ -6,12 +6,16 @@ A checkpoint directory holds one folder per finished step::
     DIR/<step>/state/                the whole state pytree (every field, generically)
     DIR/<step>/config/               the Config that produced it, as JSON
     DIR/<step>/data/                 the input pipeline's position (``shardlib.data``), JSON
-    DIR/<step>/shardlib_files.json   the size of every file above
+    DIR/<step>/shardlib_files.json   the size and crc32 of every file above
+    DIR/.shardlib-lock.json          the training run's lock: one writer per folder
 
 orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and renames it only once every
 file is written, so a save killed half-way never looks finished. The file list is written
-just before that rename; a restore checks it first, so a deleted or truncated file is
-reported by name and ``restore_latest`` falls back to the newest good step.
+just before that rename; a restore checks it first, so a deleted, truncated or changed
+file is reported by name and ``restore_latest`` falls back to the newest good step.
+A failed save (disk full, permission denied) is raised by the next ``save``/``wait``/
+``close``/``should_save`` as one CheckpointWriteError line, its temp folder removed.
+(``shardlib.checkpoint_files`` holds the file list, the lock and the error's wording.)
 
 Nothing here knows the trainer: a save takes any pytree of arrays, a restore any pytree of
 abstract arrays with shardings (``train.state`` registers ``TrainSetup`` in ``restore_target``).
@@ -19,14 +23,11 @@ abstract arrays with shardings (``train.state`` registers ``TrainSetup`` in ``re
 
 from __future__ import annotations
 
-import json
+import errno
+import logging
 import os
 import queue
-import re
-import shutil
-import tempfile
 import threading
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import singledispatch
@@ -36,70 +37,31 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from shardlib.checkpoint_files import (
+    QUIET_ORBAX,
+    CheckpointWarning,  # noqa: F401 (shardlib.checkpoint.CheckpointWarning, as before)
+    check_directory,
+    check_path,  # noqa: F401 (shardlib.checkpoint.check_path, as before: run.startup)
+    check_record,
+    finished_steps,
+    incomplete_steps,
+    live_holder,
+    quiet_closed_loops,
+    remove_incomplete,
+    storage_cause,
+    take_lock,
+    warn,
+    write_record,
+)
 from shardlib.config import CheckpointConfig, Config, to_dict
-from shardlib.errors import CheckpointError, DamagedCheckpointError, ShardlibError
+from shardlib.distributed import is_main_process
+from shardlib.errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    DamagedCheckpointError,
+    ShardlibError,
+)
 from shardlib.precision import finite_flag
-
-FILE_LIST = "shardlib_files.json"
-ITEMS = ("state", "config", "data")
-_TMP_DIR = re.compile(r"^(\d+)\..*tmp")  # orbax's '<step>.orbax-checkpoint-tmp[-<time>]'
-
-
-class CheckpointWarning(UserWarning):
-    """A checkpoint step was skipped: never finished, or damaged."""
-
-
-def _warn(message: str) -> None:
-    warnings.warn(message, CheckpointWarning, stacklevel=3)
-
-
-def check_path(path: str | os.PathLike, *, must_exist: bool = False) -> Path:
-    """The directory as an absolute path, checked without creating or writing anything: a
-    writable directory, or a missing one whose parent exists (unless ``must_exist``)."""
-    directory = Path(path).expanduser().absolute()
-    flag = f"--checkpoint-dir {path}"
-    if directory.exists() and not directory.is_dir():
-        raise CheckpointError(f"{flag}: exists and is not a directory; pass a directory path")
-    if not directory.exists() and (must_exist or not directory.parent.is_dir()):
-        raise CheckpointError(f"{flag}: no such directory" if must_exist else
-                              f"{flag}: parent directory {directory.parent} does not exist; "
-                              "create it first or pick another path")
-    where = directory if directory.exists() else directory.parent
-    if not must_exist and not os.access(where, os.W_OK | os.X_OK):
-        raise CheckpointError(f"{flag}: not writable; fix its permissions or pick another "
-                              "directory")
-    return directory
-
-
-def check_directory(path: str | os.PathLike, *, create: bool = True) -> Path:
-    """The directory as an absolute path; with ``create``, made if missing (its parent must
-    exist) and probed with a real write. Raises CheckpointError before any training."""
-    directory = check_path(path, must_exist=not create)
-    if create:
-        try:
-            directory.mkdir(exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=directory, prefix=".shardlib-probe-"):
-                pass
-        except OSError as err:
-            raise CheckpointError(f"--checkpoint-dir {path}: not writable ({err.strerror}); "
-                                  "fix its permissions or pick another directory") from None
-    return directory
-
-
-def incomplete_steps(directory: Path) -> list[int]:
-    """Steps whose save started but never finished: orbax temp folders, never renamed."""
-    matches = (_TMP_DIR.match(entry.name) for entry in directory.iterdir() if entry.is_dir())
-    return sorted({int(match.group(1)) for match in matches if match})
-
-
-def remove_incomplete(directory: Path) -> None:
-    """Delete the temp folders of saves that never finished (process 0; the others wait
-    for it at orbax's first save barrier)."""
-    if jax.process_index() != 0:
-        return
-    for entry in directory.iterdir():
-        if entry.is_dir() and _TMP_DIR.match(entry.name):
-            shutil.rmtree(entry, ignore_errors=True)
 
 
 def host_copy(state: Any) -> Any:
@@ -142,31 +104,57 @@ def leaf_path(keys: tuple) -> str:
 
 class Checkpointer:
     """orbax ``CheckpointManager`` for train states (any pytree): async saves every ``every``
-    steps, the newest ``keep`` kept, verified restores onto any mesh with fallback past damage."""
+    steps, the newest ``keep`` kept, verified restores onto any mesh with fallback past damage.
+
+    ``lock`` (``open_for_training``) takes the folder's one-writer lock on process 0 and
+    removes what killed runs left half-written; ``checksums`` records and checks each
+    file's crc32 (off: sizes only)."""
 
     def __init__(self, directory: str | os.PathLike, *, keep: int = 3, every: int = 0,
-                 read_only: bool = False):
+                 read_only: bool = False, lock: bool = False, checksums: bool = True):
         if keep < 1 or every < 0:
             raise CheckpointError(f"--keep {keep} / --checkpoint-every {every}: keep must be "
                                   ">= 1 and every >= 0 (0: save only at the end)")
-        self.directory = check_directory(directory, create=not read_only)
+        self.directory = check_directory(directory, create=not read_only, probe=not lock)
         self.every = every
         self.read_only = read_only
+        self.checksums = checksums
+        self._lock = take_lock(self.directory, f"--checkpoint-dir {directory}") if lock \
+            else None
         self._saving: int | None = None
         self._jobs: queue.Queue = queue.Queue()  # saves for the hand-off thread
         self._worker: threading.Thread | None = None  # started by the first save
-        self._handoff_error: Exception | None = None
+        self._handoff_error: tuple[int, Exception] | None = None  # (step, error) of a save
+        self._failure: CheckpointWriteError | None = None  # a failed save: the run stops
+        self._failure_raised = False
+        self._verified: set[int] = set()  # steps whose files this process checked
         self.refused: list[int] = []  # steps not saved: their state held a NaN/inf
         # step -> the data loader's state after that step (set by the training loop);
         # saved beside the state so --resume reads exactly the batches that come next
         self.data_state: Callable[[int], dict[str, Any]] | None = None
+        logging.getLogger("absl").addFilter(QUIET_ORBAX)
+        quiet_closed_loops()
+        try:
+            self._note_incomplete()
+            self._closed = False
+            self._manager = self._open_manager(keep)
+        except BaseException:
+            self._release()
+            raise
+
+    def _note_incomplete(self) -> None:
+        """Warn of (and, holding the lock, remove) saves a killed run never finished; say
+        nothing of the temp folders of a live lock holder's save in progress."""
+        if self._lock is None and live_holder(self.directory) is not None:
+            return
         for step in incomplete_steps(self.directory):
-            _warn(f"checkpoint step {step} in {self.directory} was never finished (killed "
-                  "mid-save?); skipping it")
-        if not read_only:
+            warn(f"checkpoint step {step} in {self.directory} was never finished (killed "
+                 "mid-save?); skipping it")
+        if self._lock is not None:
             remove_incomplete(self.directory)
-        self._closed = False
-        self._manager = ocp.CheckpointManager(
+
+    def _open_manager(self, keep: int) -> ocp.CheckpointManager:
+        return ocp.CheckpointManager(
             self.directory,
             # zstd would save ~1% on trained float weights for twice the writer's CPU time
             item_handlers={"state": ocp.PyTreeCheckpointHandler(use_compression=False),
@@ -174,7 +162,7 @@ class Checkpointer:
                            "data": ocp.JsonCheckpointHandler()},
             options=ocp.CheckpointManagerOptions(
                 # read_only: orbax's own flag only logs warnings; this writes nothing either
-                max_to_keep=None if read_only else keep, create=False,
+                max_to_keep=None if self.read_only else keep, create=False,
                 # done above, before returning: orbax's own cleanup runs on a thread that
                 # its close() does not wait for (at exit it dies with a traceback)
                 cleanup_tmp_directories=False,
@@ -185,6 +173,9 @@ class Checkpointer:
     # -- saving ---------------------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
+        """Whether ``step`` is a save step; first raises a failed save's error (``check``),
+        so that a loop asking every step stops at the step the failure is known."""
+        self.check(at=step)
         return self.every > 0 and step % self.every == 0
 
     def save(self, step: int, state: Any, config: Config | None = None, *, wait: bool = False,
@@ -194,13 +185,19 @@ class Checkpointer:
         ``wait``: the arrays are copied asynchronously (``host_copy``) where the next,
         donating, step cannot touch them; a waiting thread hands the copy to orbax, which
         writes the files in the background. One save is in flight at a time.
-        ``copy=False`` skips the copy: the caller promises not to donate ``state``."""
+        ``copy=False`` skips the copy: the caller promises not to donate ``state``.
+        A previous save that failed raises CheckpointWriteError here."""
         if self.read_only:
             raise CheckpointError(f"{self.directory}: opened read-only; cannot save")
+        self.check(at=step)
+        if not self.directory.is_dir():  # removed under the run: orbax would remake it
+            gone = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), self.directory)
+            raise self._failed(step, gone, at=step)
         if step in self.steps():  # also waits for the previous hand-off
             return
-        self._manager.wait_until_finished()  # the file-list callback knows its step
+        self._orbax_wait(at=step)  # the file-list callback knows its step
         self._saving = step
+        self._verified.discard(step)  # a step saved again (after rotation) is checked again
         finite = finite_flag(state)  # on device, before the next step may donate it
         items = {"state": ocp.args.PyTreeSave(host_copy(state) if copy else state)}
         if config is not None:
@@ -210,7 +207,10 @@ class Checkpointer:
         args = ocp.args.Composite(**items)
         if jax.process_count() > 1:  # orbax's cross-process barriers stay on this thread
             if self._finite(step, finite):  # the same replicated flag on every process
-                self._manager.save(step, args=args, force=True)
+                try:
+                    self._manager.save(step, args=args, force=True)
+                except Exception as err:
+                    raise self._failed(step, err, at=step) from err
         else:  # a waiting thread: starting one per save would stall on the GIL
             if self._worker is None:
                 self._worker = threading.Thread(target=self._hand_off, daemon=True,
@@ -221,66 +221,120 @@ class Checkpointer:
             self.wait()
 
     def _hand_off(self) -> None:
-        """The hand-off thread: one orbax save per queued job, until None (close)."""
+        """The hand-off thread: one orbax save per queued job, until None (close); then it
+        waits for the write, so that a failure is known (``check``) before the next save."""
         while True:
-            job = self._jobs.get()
+            job, started = self._jobs.get(), False
             try:
                 if job is None:
                     return
                 if self._finite(job[0], job[2]):
                     self._manager.save(job[0], args=job[1], force=True)
-            except Exception as err:  # re-raised on the training thread by _join()
-                self._handoff_error = err
+                    started = True
+            except Exception as err:  # re-raised on the training thread by check()
+                self._handoff_error = (job[0], err)
             finally:
                 self._jobs.task_done()
+            if started:
+                try:
+                    self._manager.wait_until_finished()
+                except Exception as err:
+                    self._handoff_error = (job[0], err)
 
     def _finite(self, step: int, finite: jax.Array) -> bool:
         """Read the state's finite flag; False (and a warning) refuses the save."""
         if bool(finite):
             return True
         self.refused.append(step)
-        _warn(f"checkpoint step {step} not saved: its state holds non-finite values (NaN/inf); "
-              f"{self.directory} keeps only finite checkpoints")
+        warn(f"checkpoint step {step} not saved: its state holds non-finite values (NaN/inf); "
+             f"{self.directory} keeps only finite checkpoints")
         return False
 
-    def _join(self) -> None:
-        """Wait until orbax has the queued save; raise its error, naming the step."""
-        self._jobs.join()
+    def check(self, *, at: int | None = None) -> None:
+        """Raise CheckpointWriteError if a save failed (never waits for one in flight);
+        ``at``: the training step the run stops at, for the message."""
+        if self._failure is not None:
+            self._failure_raised = True
+            raise self._failure
         if self._handoff_error is not None:
-            err, self._handoff_error = self._handoff_error, None
-            raise CheckpointError(f"saving checkpoint step {self._saving} in "
-                                  f"{self.directory} failed: {err}") from err
+            step, err = self._handoff_error
+            raise self._failed(step, err, at=at) from err
+
+    def _failed(self, step: int, err: Exception, *, at: int | None = None
+                ) -> CheckpointWriteError:
+        """The one-line error of a failed save of ``step`` (kept: every later call raises
+        it), once orbax has let go of its files and their temp folder is removed."""
+        if self._failure is None:
+            self._orbax_wait(quiet=True)
+            if self._lock is not None or is_main_process():
+                remove_incomplete(self.directory, step)
+            cause, fix = storage_cause(err)
+            good = [s for s in finished_steps(self.directory) if s < step]
+            last = f"last good checkpoint: step {good[-1]}" if good else "no checkpoint left"
+            stops = "here" if at is None else f"at step {at}"
+            self._failure = CheckpointWriteError(
+                f"saving checkpoint step {step} in {self.directory} failed: {cause}; the run "
+                f"stops {stops} ({last}); {fix}, then continue with --resume")
+        self._failure_raised = True
+        return self._failure
+
+    def _orbax_wait(self, *, quiet: bool = False, at: int | None = None) -> None:
+        """orbax's wait for its write in flight; its error becomes ``_failed``'s."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            if not quiet:
+                raise self._failed(self._saving, err, at=at) from err
+
+    def _join(self) -> None:
+        """Wait until orbax has the queued save; raise a failed save's error."""
+        self._jobs.join()
+        self.check()
 
     def wait(self) -> None:
         """Block until the save in flight is finished (renamed into place)."""
         self._join()
-        self._manager.wait_until_finished()
+        self._orbax_wait()
+        self.check()
 
     def close(self) -> None:
-        """Wait for pending saves and release the manager (a second call does nothing)."""
+        """Wait for pending saves, release the manager and the lock (a second call does
+        nothing). A failed save not yet raised is raised here."""
         if self._closed:
             return
         self._closed = True
-        self._join()
-        if self._worker is not None:
-            self._jobs.put(None)
-            self._worker.join()
-            self._worker = None
-        self._manager.close()
+        try:
+            if self._failure is None or not self._failure_raised:
+                self.wait()
+        finally:
+            if self._worker is not None:
+                self._jobs.put(None)
+                self._worker.join()
+                self._worker = None
+            try:
+                self._manager.close()
+            except Exception:
+                if self._failure is None:
+                    raise
+            finally:
+                self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def _write_file_list(self) -> None:
-        """orbax calls this after writing a step, before renaming its temp folder final."""
-        try:
-            if jax.process_index() == 0 and self._saving is not None:
-                _write_file_list(self._step_folder(self._saving, pending=True), self._saving)
-        except OSError as err:  # never fail the save over its file list
-            _warn(f"checkpoint step {self._saving}: could not write {FILE_LIST}: {err}")
+        """orbax calls this after writing a step, before renaming its temp folder final; an
+        error fails the save (a step without its record could not be verified)."""
+        if jax.process_index() == 0 and self._saving is not None:
+            write_record(self._step_folder(self._saving, pending=True), self._saving,
+                         checksums=self.checksums)
 
     def _step_folder(self, step: int, *, pending: bool = False) -> Path:
         if pending:
             for entry in self.directory.iterdir():
-                match = _TMP_DIR.match(entry.name)
-                if match and int(match.group(1)) == step:
+                if entry.is_dir() and entry.name.startswith(f"{step}.") and "tmp" in entry.name:
                     return entry
         return self.directory / str(step)
 
@@ -296,26 +350,16 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def verify(self, step: int) -> None:
-        """Raise DamagedCheckpointError naming the step and file if a file is missing or
-        has the wrong size (a checkpoint without a file list is left to orbax's checks)."""
+        """Raise DamagedCheckpointError naming the step and file if a file is missing, has
+        the wrong size or (``checksums``) another crc32 than recorded at the save (a
+        checkpoint without a file list is left to orbax's checks). Checked once a process."""
         folder = self.directory / str(step)
-        listing = folder / FILE_LIST
         where = f"checkpoint step {step} in {self.directory} is damaged"
         if not folder.is_dir():
             raise DamagedCheckpointError(f"{where}: folder {folder} is missing")
-        if not listing.is_file():
-            return
-        try:
-            files = json.loads(listing.read_text())["files"]
-        except (OSError, ValueError, KeyError) as err:
-            raise DamagedCheckpointError(f"{where}: {FILE_LIST} is unreadable ({err})") from None
-        for name, size in files.items():
-            path = folder / name
-            if not path.is_file():
-                raise DamagedCheckpointError(f"{where}: file {name} is missing")
-            if path.stat().st_size != size:
-                raise DamagedCheckpointError(f"{where}: file {name} has {path.stat().st_size} "
-                                             f"bytes, expected {size} (truncated?)")
+        if step not in self._verified:
+            check_record(folder, where, checksums=self.checksums)
+            self._verified.add(step)
 
     def saved_config(self, step: int) -> dict[str, Any]:
         """The config (as a dict) that wrote ``step``."""
@@ -363,13 +407,13 @@ class Checkpointer:
             try:
                 state = self.restore(layout, step)
             except DamagedCheckpointError as err:
-                _warn(f"{err}; falling back to an older checkpoint")
+                warn(f"{err}; falling back to an older checkpoint")
                 damaged.append(step)
                 continue
             if bool(finite_flag(state)):
                 return state
-            _warn(f"checkpoint step {step} in {self.directory} holds non-finite values "
-                  "(NaN/inf); falling back to an older checkpoint")
+            warn(f"checkpoint step {step} in {self.directory} holds non-finite values "
+                 "(NaN/inf); falling back to an older checkpoint")
             damaged.append(step)
         if damaged:
             folders = " ".join(str(self.directory / str(step)) for step in damaged)
@@ -432,20 +476,13 @@ class Checkpointer:
         return f"; config differs: {', '.join(diffs)}" if diffs else ""
 
 
-def _write_file_list(folder: Path, step: int) -> None:
-    files = {str(p.relative_to(folder)): p.stat().st_size
-             for item in ITEMS for p in sorted((folder / item).rglob("*")) if p.is_file()}
-    tmp = folder / (FILE_LIST + ".tmp")
-    tmp.write_text(json.dumps({"step": step, "files": files}, indent=1))
-    os.replace(tmp, folder / FILE_LIST)
-
-
 def open_for_training(cfg: CheckpointConfig) -> Checkpointer | None:
     """The run's Checkpointer (None when ``cfg.dir`` is empty), checked before training:
-    a directory that already holds checkpoints needs ``resume``."""
+    it holds the folder's lock (a second run is refused, touching nothing), and a
+    directory that already holds checkpoints needs ``resume``."""
     if not cfg.dir:
         return None
-    checkpointer = Checkpointer(cfg.dir, keep=cfg.keep, every=cfg.every)
+    checkpointer = Checkpointer(cfg.dir, keep=cfg.keep, every=cfg.every, lock=True)
     steps = checkpointer.steps()
     if steps and not cfg.resume:
         checkpointer.close()

@@ -22,7 +22,15 @@ class CheckpointError(ShardlibError):
 
 
 class DamagedCheckpointError(CheckpointError):
-    """A finished checkpoint has a missing, truncated or unreadable file."""
+    """A finished checkpoint has a missing, truncated, changed or unreadable file."""
+
+
+class CheckpointInUseError(CheckpointError):
+    """Another live run holds the checkpoint folder's lock."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A save failed (disk full, permission denied, a vanished folder): the run stops."""
 
 
 class DistributedError(ShardlibError):

@@ -4,6 +4,7 @@ mid-save, SIGTERM, damaged files), config mismatch, bad directories, safetensors
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -306,8 +307,11 @@ def test_sigkill_mid_save_then_resume_skips_the_half_written_step(reference, tmp
     assert sorted(p.name for p in directory.iterdir() if not p.name.startswith(".")) == [
         "2", "4.orbax-checkpoint-tmp"]
     config = ckpt_config(directory, every=2, resume=True)
-    with pytest.warns(CheckpointWarning, match="step 4 .* never finished"):
+    with pytest.warns(CheckpointWarning) as caught:
         resumed = train(config)
+    lines = [str(w.message) for w in caught]
+    assert any(re.search("step 4 .* never finished", line) for line in lines), lines
+    assert any(f"taking over the lock of pid {proc.pid}" in line for line in lines), lines
     assert resumed.resumed_from == 2
     assert losses(resumed) == losses(reference[0])[2:]  # crash recovery is exact too
     assert_bitwise(host_leaves(resumed.state), host_leaves(reference[0].state))

@@ -32,6 +32,7 @@ import pytest
 
 from shardlib import data as data_lib
 from shardlib.checkpoint import Checkpointer, CheckpointWarning, leaf_path
+from shardlib.checkpoint_files import write_record
 from shardlib.cli import NONFINITE_EXIT_STATUS, main
 from shardlib.config import CheckpointConfig, CommConfig, MeshConfig
 from shardlib.errors import ConfigError
@@ -113,7 +114,8 @@ def test_resume_continues_from_the_last_finite_step(diverged, tmp_path, capsys):
 
 def corrupt_one_array(directory: Path, step: int) -> str:
     """Write a NaN over the first element of ``params.embed.w_vd`` in the step's data
-    files (same size: the file list still matches); return the array's path."""
+    files, and the step's file list anew (sizes and crc32s match, as if the NaN had been
+    saved: only the finite check can tell); return the array's path."""
     checkpointer = Checkpointer(directory, read_only=True)
     state = checkpointer.restore(build_setup(tiny_config(MeshConfig())), step)
     for keys, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
@@ -124,6 +126,7 @@ def corrupt_one_array(directory: Path, step: int) -> str:
         at = data.find(needle)
         if at >= 0:
             path.write_bytes(data[:at] + np.float32(np.nan).tobytes() + data[at + 4:])
+            write_record(directory / str(step), step)
             return "params.embed.w_vd"
     raise AssertionError("the array's bytes are not in the checkpoint files")
 

@@ -33,7 +33,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "target_gpu", "target")),
     ("models", ("models",)),
     ("parallel", ("parallel",)),
-    ("io", ("data", "checkpoint", "export")),  # any pytree in and out: nothing from train/
+    # any pytree in and out: nothing from train/
+    ("io", ("data", "checkpoint", "checkpoint_files", "export")),
     ("analysis", ("analysis",)),  # pure readers of pytrees, compiled steps and configs
     ("train", ("train",)),
     ("interop", ("interop",)),
