@@ -11,7 +11,8 @@ Two figures, each measured side by side in one run:
 2. Memory: the compiled per-device peak of FSDP at 10 blocks / data parallelism's, on
    XLA CPU and (``--target``) on the TPU or GPU compiler.
 
-    python experiments/bench_any_model.py [--rounds 10] [--target v5litepod-8 h100x8]
+    python experiments/bench_any_model.py [--rounds 10] [--target v5litepod-8]
+    python experiments/bench_any_model.py --memory-only --target h100x8 --out ...  # gpu extra
 """
 
 from __future__ import annotations
@@ -106,14 +107,14 @@ def hand_written_step(setup, model):
                    out_shardings=(sh.params, sh.opt_state, None), donate_argnums=(0, 1))
 
 
-def time_pair(mesh: str, rounds: int, depth: int, batch: int) -> dict:
+def time_pair(mesh: str, rounds: int, depth: int, batch: int, width: int) -> dict:
     """Median step time of shardlib's step and the hand-written one, interleaved."""
     import jax
 
     import shardlib
     from shardlib.data.arrays import to_global
 
-    model = build_vit(depth)
+    model = build_vit(depth, d=width, f=4 * width)
     setup = shardlib.build_setup(config_for(mesh, batch, depth), model=model,
                                  devices=jax.devices()[:1] if mesh == "data=1" else None)
     data = to_global(host_batch(batch), setup.batch_sharding, model.batch)
@@ -133,18 +134,18 @@ def time_pair(mesh: str, rounds: int, depth: int, batch: int) -> dict:
         jax.block_until_ready(loss)
         times["hand_written"].append(time.perf_counter() - t)
     ratios = [a / b for a, b in zip(times["shardlib"], times["hand_written"], strict=True)]
-    return {"mesh": mesh, "depth": depth, "batch": batch,
+    return {"mesh": mesh, "depth": depth, "batch": batch, "width": width,
             "shardlib_s": statistics.median(times["shardlib"]),
             "hand_written_s": statistics.median(times["hand_written"]),
             "ratio": statistics.median(ratios)}
 
 
-def peak(mesh: str, depth: int, batch: int, target: str | None) -> int | None:
+def peak(mesh: str, depth: int, batch: int, width: int, target: str | None) -> int | None:
     """The compiled per-device peak of shardlib's step (``inspect``'s figure)."""
     from shardlib.inspect import analyze
 
-    ins = analyze(config_for(mesh, batch, depth), target=target, model=build_vit(depth),
-                  batch=host_batch(batch))
+    ins = analyze(config_for(mesh, batch, depth), target=target,
+                  model=build_vit(depth, d=width, f=4 * width), batch=host_batch(batch))
     return ins.memory.peak_bytes
 
 
@@ -152,24 +153,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--depth", type=int, default=10)
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--target", nargs="*", default=[])
+    parser.add_argument("--memory-only", action="store_true", help="skip the step timings")
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     setup_devices(8)
-    out = {"time": [time_pair(mesh, args.rounds, args.depth, args.batch)
-                    for mesh in ("data=1", "fsdp=8")], "memory": []}
+    out = {"time": [] if args.memory_only else [
+        time_pair(mesh, args.rounds, args.depth, args.batch, args.width)
+        for mesh in ("data=1", "fsdp=8")],
+        "memory": []}
     for row in out["time"]:
         print(f"{row['mesh']:>7}: shardlib {row['shardlib_s'] * 1e3:.1f} ms, hand-written "
               f"{row['hand_written_s'] * 1e3:.1f} ms, ratio {row['ratio']:.3f}")
-    for target in [None, *args.target]:
-        dp, fsdp = (peak(mesh, args.depth, args.batch, target) for mesh in ("data=8", "fsdp=8"))
-        row = {"target": target or "cpu", "depth": args.depth, "dp_peak": dp,
+    for target in ([] if args.memory_only else [None]) + args.target:
+        dp, fsdp = (peak(mesh, args.depth, args.batch, args.width, target)
+                    for mesh in ("data=8", "fsdp=8"))
+        row = {"target": target or "cpu", "depth": args.depth, "width": args.width,
+               "batch": args.batch, "dp_peak": dp,
                "fsdp_peak": fsdp, "ratio": fsdp / dp}
         out["memory"].append(row)
         print(f"{row['target']:>12}: peak per device, {args.depth} blocks: data=8 {dp / 2**20:.1f} "
               f"MiB, fsdp=8 {fsdp / 2**20:.1f} MiB, fsdp / data {row['ratio']:.3f}")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=1))
+    Path(args.out).parent.mkdir(exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
