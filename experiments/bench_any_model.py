@@ -79,12 +79,13 @@ def host_batch(batch: int):
             "label": rng.integers(0, 10, batch).astype(np.int32)}
 
 
-def config_for(mesh: str, batch: int, depth: int):
+def config_for(mesh: str, batch: int, depth: int, remat: str = "none"):
+    """``mesh`` with ``model.remat`` (each block's remat policy) and the batch."""
     import shardlib
     from shardlib.config import parse_mesh
 
-    return shardlib.Config(mesh=parse_mesh(mesh), train=shardlib.TrainConfig(
-        steps=100, batch_size=batch))
+    return shardlib.Config(mesh=parse_mesh(mesh), model=shardlib.ModelConfig(remat=remat),
+                           train=shardlib.TrainConfig(steps=100, batch_size=batch))
 
 
 def hand_written_step(setup, model):
@@ -140,11 +141,12 @@ def time_pair(mesh: str, rounds: int, depth: int, batch: int, width: int) -> dic
             "ratio": statistics.median(ratios)}
 
 
-def peak(mesh: str, depth: int, batch: int, width: int, target: str | None) -> int | None:
+def peak(mesh: str, depth: int, batch: int, width: int, target: str | None,
+         remat: str) -> int | None:
     """The compiled per-device peak of shardlib's step (``inspect``'s figure)."""
     from shardlib.inspect import analyze
 
-    ins = analyze(config_for(mesh, batch, depth), target=target,
+    ins = analyze(config_for(mesh, batch, depth, remat), target=target,
                   model=build_vit(depth, d=width, f=4 * width), batch=host_batch(batch))
     return ins.memory.peak_bytes
 
@@ -157,6 +159,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--target", nargs="*", default=[])
     parser.add_argument("--memory-only", action="store_true", help="skip the step timings")
+    parser.add_argument("--remat", default="none", help="the memory rows' model.remat")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     setup_devices(8)
@@ -167,14 +170,15 @@ def main() -> None:
     for row in out["time"]:
         print(f"{row['mesh']:>7}: shardlib {row['shardlib_s'] * 1e3:.1f} ms, hand-written "
               f"{row['hand_written_s'] * 1e3:.1f} ms, ratio {row['ratio']:.3f}")
-    for target in ([] if args.memory_only else [None]) + args.target:
-        dp, fsdp = (peak(mesh, args.depth, args.batch, args.width, target)
+    for target in ([] if args.memory_only and args.target else [None]) + args.target:
+        dp, fsdp = (peak(mesh, args.depth, args.batch, args.width, target, args.remat)
                     for mesh in ("data=8", "fsdp=8"))
         row = {"target": target or "cpu", "depth": args.depth, "width": args.width,
-               "batch": args.batch, "dp_peak": dp,
+               "batch": args.batch, "remat": args.remat, "dp_peak": dp,
                "fsdp_peak": fsdp, "ratio": fsdp / dp}
         out["memory"].append(row)
-        print(f"{row['target']:>12}: peak per device, {args.depth} blocks: data=8 {dp / 2**20:.1f} "
+        print(f"{row['target']:>12}: peak per device, {args.depth} blocks, remat {args.remat}: "
+              f"data=8 {dp / 2**20:.1f} "
               f"MiB, fsdp=8 {fsdp / 2**20:.1f} MiB, fsdp / data {row['ratio']:.3f}")
     Path(args.out).parent.mkdir(exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
