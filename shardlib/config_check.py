@@ -85,8 +85,19 @@ def check_ranges(config: Config, flags: dict[str, str] | None = None) -> None:
             head, where = _named(f"{section}.{name}", value, flags)
             raise ConfigError(f"{head}: must be {describe(rule) if number else 'a number'}"
                               f"{where}")
+    if config.model.pos_embedding == "learned":
+        check_seq_len(config, flags)
+
+
+def check_seq_len(config: Config, flags: dict[str, str] | None = None) -> None:
+    """Refuse a sequence longer than the built-in GPT's ``model.max_seq_len``: the learned
+    position table's size, or the context a RoPE model declares (unchecked, a long one
+    runs out of memory instead). Not for a user's own model, which ignores ``config.model``."""
     model, seq_len = config.model, config.train.seq_len
-    if model.pos_embedding == "learned" and seq_len > model.max_seq_len:
-        head, where = _named("train.seq_len", seq_len, flags)
-        raise ConfigError(f"{head}: exceeds model.max_seq_len={model.max_seq_len}, the learned "
-                          f"position table{where}; shorten it or raise model.max_seq_len")
+    if seq_len <= model.max_seq_len:
+        return
+    bound = ("the learned position table" if model.pos_embedding == "learned"
+             else "the longest sequence this RoPE model declares")
+    head, where = _named("train.seq_len", seq_len, flags or {})
+    raise ConfigError(f"{head}: exceeds model.max_seq_len={model.max_seq_len}, {bound}{where}; "
+                      f"shorten it or raise model.max_seq_len (--set model.max_seq_len={seq_len})")

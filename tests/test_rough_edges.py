@@ -1,0 +1,47 @@
+"""The rough edges a new user hit (issue 45, parts 5-7): each input below once ran, misled
+or gave a traceback; now it gets one clear line.
+
+In-process (``shardlib.cli.main``) where no step is compiled; a second or less per case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shardlib.cli import main
+from shardlib.errors import ConfigError
+
+TINY = ["train", "--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--data",
+        "synthetic", "--steps", "2", "--set", "train.sample_tokens=0"]
+
+
+def one_error_line(capsys, code: int, rc: int) -> str:
+    """The single stderr line of a command that returned ``rc``; checks it is ``code``."""
+    err = capsys.readouterr().err.strip()
+    assert rc == code, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+# ----------------------------------------------------------------------------- part 5
+@pytest.mark.parametrize("command", ["train", "inspect", "plan"])
+def test_seq_len_beyond_a_rope_models_max_seq_len_is_refused(command, capsys):
+    rc = main([command, "--model", "tiny", "--seq-len", "300"])
+    err = one_error_line(capsys, 2, rc)
+    assert "--seq-len 300: exceeds model.max_seq_len=256" in err
+    assert "--set model.max_seq_len=300" in err
+
+
+def test_seq_len_beyond_a_rope_models_max_seq_len_is_refused_by_the_python_api():
+    from shardlib.config import Config, TrainConfig
+    from shardlib.models import get_preset
+    from shardlib.run.startup import preflight
+
+    config = Config(model=get_preset("tiny"), train=TrainConfig(seq_len=300, data="synthetic"))
+    with pytest.raises(ConfigError, match=r"train.seq_len=300: exceeds model.max_seq_len=256"):
+        preflight(config, None)
+    raised = dataclasses.replace(config, model=dataclasses.replace(config.model,
+                                                                   max_seq_len=300))
+    preflight(raised, None)  # the fix the message names
