@@ -45,3 +45,15 @@ def test_seq_len_beyond_a_rope_models_max_seq_len_is_refused_by_the_python_api()
     raised = dataclasses.replace(config, model=dataclasses.replace(config.model,
                                                                    max_seq_len=300))
     preflight(raised, None)  # the fix the message names
+
+
+@pytest.mark.parametrize("mesh, needle", [
+    ("data=8,data=2,fsdp=4", "axis 'data' is named twice ('data=8' and 'data=2')"),
+    ("data=2,data=2", "axis 'data' is named twice"),
+    ("", "--mesh '': empty"),
+    (" , ", "empty"),
+])
+@pytest.mark.parametrize("command", ["train", "inspect", "plan"])
+def test_a_duplicate_or_empty_mesh_is_refused(command, mesh, needle, capsys):
+    rc = main([command, "--model", "tiny", "--mesh", mesh])
+    assert needle in one_error_line(capsys, 2, rc)

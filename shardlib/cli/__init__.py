@@ -21,7 +21,7 @@ from shardlib.errors import ConfigError, ShardlibError, Terminated
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every subcommand that builds a model on a mesh."""
-    parser.add_argument("--mesh", default="", help="axis degrees, e.g. data=2,fsdp=2,tensor=2 "
+    parser.add_argument("--mesh", help="axis degrees, e.g. data=2,fsdp=2,tensor=2 "
                         "(unnamed axes are 1; one may be -1), or auto (the planner "
                         "picks). Default: data=-1")
     parser.add_argument("--model", default="small", help="preset: tiny, small, medium, gpt2-small, "
@@ -100,7 +100,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--top-k", type=int, default=0, help="sample from the best K (0: all)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: all)")
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--mesh", default="", help="axis degrees, e.g. fsdp=4,tensor=2 "
+    gen.add_argument("--mesh", help="axis degrees, e.g. fsdp=4,tensor=2 "
                      "(default: data=-1)")
     gen.add_argument("--devices", type=int, help="simulate N CPU devices")
     add_compile_cache_flag(gen)

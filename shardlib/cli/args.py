@@ -40,7 +40,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     else:
         model = get_preset(args.model)
     config = Config(model=model, rules=tuple(parse_rule(r) for r in args.rules))
-    if args.mesh:
+    if args.mesh is not None:
         config = dataclasses.replace(config, mesh=parse_mesh(args.mesh))
     for flag, (section, field) in FLAG_FIELDS.items():
         value = getattr(args, flag, None)
