@@ -57,3 +57,10 @@ def test_seq_len_beyond_a_rope_models_max_seq_len_is_refused_by_the_python_api()
 def test_a_duplicate_or_empty_mesh_is_refused(command, mesh, needle, capsys):
     rc = main([command, "--model", "tiny", "--mesh", mesh])
     assert needle in one_error_line(capsys, 2, rc)
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf"])
+def test_a_non_finite_lr_is_refused_as_not_finite(value, capsys):
+    rc = main([*TINY, "--lr", value])
+    err = one_error_line(capsys, 2, rc)
+    assert err.endswith(f"--lr {value}: must be a finite number > 0 (optim.lr)"), err

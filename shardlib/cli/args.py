@@ -58,7 +58,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return config
 
 
-NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.IGNORECASE)
+NEGATIVE_NUMBER = re.compile(r"-((\d+\.?\d*|\.\d+)(e[-+]?\d+)?|inf(inity)?)", re.IGNORECASE)
 
 
 def join_negative_values(argv: Sequence[str]) -> list[str]:
