@@ -7,6 +7,7 @@ In-process (``shardlib.cli.main``) where no step is compiled; a second or less p
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -64,3 +65,23 @@ def test_a_non_finite_lr_is_refused_as_not_finite(value, capsys):
     rc = main([*TINY, "--lr", value])
     err = one_error_line(capsys, 2, rc)
     assert err.endswith(f"--lr {value}: must be a finite number > 0 (optim.lr)"), err
+
+
+def test_a_halt_names_the_value_that_was_not_finite():
+    from shardlib.config import TrainConfig
+    from shardlib.train.nonfinite import Tracker
+
+    rows = [{"step": 1, "loss": 5.5, "grad_norm": 2.0}, {"step": 2, "loss": 5.545,
+                                                          "grad_norm": float("nan")}]
+    assert Tracker(TrainConfig(), loss_scaling=False).check(rows) == \
+        "grad_norm nan (loss 5.545 finite) at step 2 (--on-nonfinite halt)"
+    both = [{"step": 3, "loss": float("inf"), "grad_norm": float("nan")}]
+    assert Tracker(TrainConfig(), loss_scaling=False).check(both).startswith(
+        "loss inf and grad_norm nan at step 3")
+
+
+def test_lr_1e30_halts_naming_the_non_finite_grad_norm(capsys):
+    rc = main([*TINY, "--lr", "1e30"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 4 and re.match(r"shardlib train: error: non-finite grad_norm (nan|inf) "
+                                r"\(loss \S+ finite\) at step \d+ ", err), err
