@@ -7,6 +7,7 @@ In-process (``shardlib.cli.main``) where no step is compiled; a second or less p
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import pytest
@@ -85,3 +86,13 @@ def test_lr_1e30_halts_naming_the_non_finite_grad_norm(capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == 4 and re.match(r"shardlib train: error: non-finite grad_norm (nan|inf) "
                                 r"\(loss \S+ finite\) at step \d+ ", err), err
+
+
+def test_a_plan_whose_every_candidate_is_rejected_says_so(capsys):
+    rc = main(["plan", "--model", "tiny", "--devices", "3"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 1 and "no valid candidate: all 48 were rejected, none for memory" in out, out
+    assert "raise --memory-budget" not in out
+    rc = main(["plan", "--model", "tiny", "--devices", "3", "--json"])
+    reason = json.loads(capsys.readouterr().out)["no_pick_reason"]
+    assert rc == 1 and reason.startswith("no valid candidate"), reason
