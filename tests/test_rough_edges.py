@@ -96,3 +96,17 @@ def test_a_plan_whose_every_candidate_is_rejected_says_so(capsys):
     rc = main(["plan", "--model", "tiny", "--devices", "3", "--json"])
     reason = json.loads(capsys.readouterr().out)["no_pick_reason"]
     assert rc == 1 and reason.startswith("no valid candidate"), reason
+
+
+def test_sigint_before_the_first_step_says_nothing_was_saved(tmp_path, capsys, monkeypatch):
+    from shardlib.run import signals
+
+    def interrupted(self, step: int, every: int) -> bool:
+        self.signal = "SIGINT"  # as if Ctrl-C came after start-up, before step 1
+        return True
+
+    monkeypatch.setattr(signals.StopSignals, "requested", interrupted)
+    rc = main([*TINY, "--checkpoint-dir", str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 130 and err == (f"stopped by SIGINT before the first step; nothing saved in "
+                                 f"{tmp_path / 'ckpt'}; start it again (no --resume needed)")

@@ -12,11 +12,15 @@ import argparse
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from shardlib.cli.args import config_from_args, join_negative_values
 from shardlib.cli.defaults import DEFAULT_CPU_DEVICES
 from shardlib.config import Config
 from shardlib.errors import ConfigError, ShardlibError, Terminated
+
+if TYPE_CHECKING:
+    from shardlib.run.loop import TrainResult
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -225,11 +229,23 @@ def run_train(args: argparse.Namespace) -> int:
         return NONFINITE_EXIT_STATUS
     if result.stopped_by:
         from shardlib.distributed import main_print
-        main_print(f"stopped by {result.stopped_by}; checkpoint step {result.checkpoint_step} "
-                   f"saved in {config.checkpoint.dir}; continue with --resume", file=sys.stderr,
-                   flush=True)
+        main_print(stop_message(result, config.checkpoint.dir), file=sys.stderr, flush=True)
         return 130 if result.stopped_by == "SIGINT" else 0
     return 0
+
+
+def stop_message(result: TrainResult, directory: str) -> str:
+    """The line a run stopped by a signal ends with: the checkpoint to resume from, or,
+    when none was saved (stopped before the first step, or no directory), that nothing was."""
+    head = f"stopped by {result.stopped_by}"
+    if result.checkpoint_step is not None:
+        return (f"{head}; checkpoint step {result.checkpoint_step} saved in {directory}; "
+                "continue with --resume")
+    done = int(result.state.step)
+    when = "before the first step" if done == 0 else f"after step {done}"
+    if not directory:
+        return f"{head} {when}; nothing saved (no --checkpoint-dir)"
+    return f"{head} {when}; nothing saved in {directory}; start it again (no --resume needed)"
 
 
 NONFINITE_EXIT_STATUS = 4  # a non-finite loss halted the run (a hang exits 3)
