@@ -110,3 +110,13 @@ def test_sigint_before_the_first_step_says_nothing_was_saved(tmp_path, capsys, m
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == 130 and err == (f"stopped by SIGINT before the first step; nothing saved in "
                                  f"{tmp_path / 'ckpt'}; start it again (no --resume needed)")
+
+
+def test_resume_of_a_finished_run_says_there_is_nothing_to_train(tmp_path, capsys):
+    run = [*TINY, "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", "1"]
+    assert main(run) == 0
+    capsys.readouterr()
+    assert main([*run, "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert (f"nothing to train: --resume found checkpoint step 1 in {tmp_path / 'ckpt'}, and "
+            "--steps 1 ends there; raise --steps to train further") in err, err

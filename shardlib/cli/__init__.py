@@ -231,6 +231,12 @@ def run_train(args: argparse.Namespace) -> int:
         from shardlib.distributed import main_print
         main_print(stop_message(result, config.checkpoint.dir), file=sys.stderr, flush=True)
         return 130 if result.stopped_by == "SIGINT" else 0
+    if result.resumed_from is not None and result.resumed_from >= config.train.steps:
+        from shardlib.distributed import main_print
+        main_print(f"shardlib train: nothing to train: --resume found checkpoint step "
+                   f"{result.resumed_from} in {config.checkpoint.dir}, and --steps "
+                   f"{config.train.steps} ends there; raise --steps to train further",
+                   file=sys.stderr, flush=True)
     return 0
 
 
