@@ -15,8 +15,9 @@ import pytest
 from shardlib.cli import main
 from shardlib.errors import ConfigError
 
-TINY = ["train", "--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--data",
-        "synthetic", "--steps", "2", "--set", "train.sample_tokens=0"]
+SHAPE = ["train", "--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--steps", "2",
+         "--set", "train.sample_tokens=0"]
+TINY = [*SHAPE, "--data", "synthetic"]
 
 
 def one_error_line(capsys, code: int, rc: int) -> str:
@@ -120,3 +121,35 @@ def test_resume_of_a_finished_run_says_there_is_nothing_to_train(tmp_path, capsy
     err = capsys.readouterr().err
     assert (f"nothing to train: --resume found checkpoint step 1 in {tmp_path / 'ckpt'}, and "
             "--steps 1 ends there; raise --steps to train further") in err, err
+
+
+BINARY = bytes(range(256)) * 64  # NUL bytes and invalid UTF-8: an executable, an archive
+
+
+def test_a_binary_file_as_data_is_refused(tmp_path, capsys):
+    (tmp_path / "model.bin").write_bytes(BINARY)
+    rc = main([*SHAPE, "--data", str(tmp_path / "model.bin")])
+    err = one_error_line(capsys, 2, rc)
+    assert "model.bin': not a UTF-8 text file (it holds NUL bytes" in err, err
+    (tmp_path / "latin.txt").write_bytes(bytes(range(128, 256)) * 64)  # no NUL, not UTF-8
+    rc = main([*SHAPE, "--data", str(tmp_path / "latin.txt")])
+    assert "8192 of its first 8192 bytes are not UTF-8" in one_error_line(capsys, 2, rc)
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"", "no text to learn from"), (b" \n\n\t", "no text to learn from"),
+    (BINARY, "not a UTF-8 text file (it holds NUL bytes"),
+])
+def test_tokenizer_train_refuses_an_empty_or_binary_corpus(content, needle, tmp_path, capsys):
+    (tmp_path / "corpus.txt").write_bytes(content)
+    rc = main(["tokenizer", "train", "--data", str(tmp_path / "corpus.txt"), "--vocab-size",
+               "300", "--out", str(tmp_path / "tok.json")])
+    assert needle in one_error_line(capsys, 2, rc)
+    assert not list(tmp_path.glob("tok.json*"))
+
+
+def test_a_few_bad_bytes_in_text_are_still_text(tmp_path):
+    from shardlib.data.corpus import file_corpus
+
+    (tmp_path / "ok.txt").write_bytes("naïve text ".encode() * 2000 + b"\xff")
+    assert len(file_corpus(str(tmp_path / "ok.txt"))) == 24001
