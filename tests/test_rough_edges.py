@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import struct
 
 import pytest
 
@@ -113,15 +114,22 @@ def test_sigint_before_the_first_step_says_nothing_was_saved(tmp_path, capsys, m
                                  f"{tmp_path / 'ckpt'}; start it again (no --resume needed)")
 
 
-def test_resume_of_a_finished_run_says_there_is_nothing_to_train(tmp_path, capsys):
-    run = [*TINY, "--checkpoint-dir", str(tmp_path / "ckpt"), "--steps", "1"]
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """The checkpoint folder of a finished one-step run: (its ``train`` argv, the folder)."""
+    folder = tmp_path_factory.mktemp("finished") / "ckpt"
+    run = [*TINY, "--checkpoint-dir", str(folder), "--steps", "1"]
     assert main(run) == 0
+    return run, folder
+
+
+def test_resume_of_a_finished_run_says_there_is_nothing_to_train(finished, capsys):
+    run, folder = finished
     capsys.readouterr()
     assert main([*run, "--resume"]) == 0
     err = capsys.readouterr().err
-    assert (f"nothing to train: --resume found checkpoint step 1 in {tmp_path / 'ckpt'}, and "
+    assert (f"nothing to train: --resume found checkpoint step 1 in {folder}, and "
             "--steps 1 ends there; raise --steps to train further") in err, err
-
 
 BINARY = bytes(range(256)) * 64  # NUL bytes and invalid UTF-8: an executable, an archive
 
@@ -153,3 +161,34 @@ def test_a_few_bad_bytes_in_text_are_still_text(tmp_path):
 
     (tmp_path / "ok.txt").write_bytes("naïve text ".encode() * 2000 + b"\xff")
     assert len(file_corpus(str(tmp_path / "ok.txt"))) == 24001
+
+
+def test_export_to_an_existing_folder_is_one_line(finished, tmp_path, capsys):
+    _, folder = finished
+    (tmp_path / "out").mkdir()
+    capsys.readouterr()
+    rc = main(["export", "--checkpoint-dir", str(folder), "--out", str(tmp_path / "out")])
+    err = one_error_line(capsys, 2, rc)
+    assert f"--out {tmp_path / 'out'}: a directory; name the file to write" in err, err
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no stray out.tmp
+    assert main(["export", "--checkpoint-dir", str(folder), "--out",
+                 str(tmp_path / "out" / "model.safetensors")]) == 0
+
+
+GPT2_CONFIG = ('{"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2, '
+               '"vocab_size": 256, "n_positions": 64}')
+
+
+@pytest.mark.parametrize("weights, needle", [
+    (bytes(range(256)) * 40, "a header of 506097522914230528 bytes in a 10240-byte file"),
+    (b"\x10" + bytes(7) + b"not json" * 2, "its header is not JSON"),
+    (struct.pack("<Q", 84) + b'{"wte.weight": {"dtype": "F32", "shape": [256, 64], '
+     b'"data_offsets": [0, 65536]}}    ', "ends at byte 65628 of 92: truncated?"),
+])
+def test_generate_from_garbage_safetensors_is_one_line(weights, needle, tmp_path, capsys):
+    (tmp_path / "config.json").write_text(GPT2_CONFIG)
+    (tmp_path / "model.safetensors").write_bytes(weights)
+    rc = main(["generate", "--init-from", str(tmp_path), "--prompt", "x", "--max-new-tokens",
+               "4"])
+    err = one_error_line(capsys, 2, rc)
+    assert "model.safetensors: not a readable safetensors file (" in err and needle in err, err
