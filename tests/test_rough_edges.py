@@ -192,3 +192,15 @@ def test_generate_from_garbage_safetensors_is_one_line(weights, needle, tmp_path
                "4"])
     err = one_error_line(capsys, 2, rc)
     assert "model.safetensors: not a readable safetensors file (" in err and needle in err, err
+
+
+@pytest.mark.parametrize("typed", ["v5litepod-8", "V5E:2x4"])
+def test_missing_libtpu_names_the_target_as_typed(typed, monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "libtpu" else find_spec(name, *a))
+    rc = main(["inspect", "--model", "tiny", "--target", typed])
+    err = one_error_line(capsys, 2, rc)
+    assert f"--target {typed} (v5e:2x4): compiling for TPU needs libtpu" in err, err
