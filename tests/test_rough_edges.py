@@ -10,12 +10,16 @@ import dataclasses
 import json
 import re
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from shardlib.cli import main
 from shardlib.errors import ConfigError
 
+ROOT = Path(__file__).resolve().parent.parent
 SHAPE = ["train", "--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--steps", "2",
          "--set", "train.sample_tokens=0"]
 TINY = [*SHAPE, "--data", "synthetic"]
@@ -90,15 +94,20 @@ def test_lr_1e30_halts_naming_the_non_finite_grad_norm(capsys):
                                 r"\(loss \S+ finite\) at step \d+ ", err), err
 
 
-def test_a_plan_whose_every_candidate_is_rejected_says_so(capsys):
-    rc = main(["plan", "--model", "tiny", "--devices", "3"])
-    out = " ".join(capsys.readouterr().out.split())
-    assert rc == 1 and "no valid candidate: all 48 were rejected, none for memory" in out, out
-    assert "raise --memory-budget" not in out
-    rc = main(["plan", "--model", "tiny", "--devices", "3", "--json"])
-    reason = json.loads(capsys.readouterr().out)["no_pick_reason"]
-    assert rc == 1 and reason.startswith("no valid candidate"), reason
+def test_a_plan_whose_every_candidate_is_rejected_says_so():
+    def plan(*flags: str) -> subprocess.CompletedProcess:  # a process: --devices 3 starts JAX
+        return subprocess.run([sys.executable, "-m", "shardlib", "plan", "--model", "tiny",
+                               "--devices", "3", *flags], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
 
+    run = plan()
+    out = " ".join(run.stdout.split())
+    assert run.returncode == 1 and "no valid candidate: all 48 were rejected, none for " \
+        "memory" in out, out + run.stderr
+    assert "raise --memory-budget" not in out
+    run = plan("--json")
+    reason = json.loads(run.stdout)["no_pick_reason"]
+    assert run.returncode == 1 and reason.startswith("no valid candidate"), reason
 
 def test_sigint_before_the_first_step_says_nothing_was_saved(tmp_path, capsys, monkeypatch):
     from shardlib.run import signals
