@@ -340,22 +340,36 @@ def apply_overrides(config: Config, overrides: list[str]) -> Config:
 
 def parse_mesh(text: str, base: MeshConfig | None = None) -> MeshConfig:
     """``data=2,fsdp=2,tensor=2`` -> MeshConfig (unnamed axes default to 1); ``auto`` ->
-    ``MeshConfig(auto=True)``: the planner chooses (see ``shardlib.planner``)."""
+    ``MeshConfig(auto=True)``: the planner chooses (see ``shardlib.planner``). An empty text
+    or an axis named twice is refused: neither says which mesh was meant."""
     if text.strip().lower() == "auto":
         return dataclasses.replace(base or MeshConfig(), auto=True)
+    items = [part.strip() for part in text.split(",") if part.strip()]
+    if not items:
+        raise ConfigError(f"--mesh {text!r}: empty; give AXIS=SIZE pairs such as "
+                          "data=2,fsdp=4, or auto, or leave out --mesh for data=-1")
     degrees: dict[str, int] = {axis: 1 for axis in MESH_AXES}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        axis, sep, size = item.partition("=")
-        if not sep or axis not in MESH_AXES:
-            raise ConfigError(
-                f"--mesh {item!r}: expected AXIS=SIZE with AXIS one of {', '.join(MESH_AXES)}"
-            )
-        try:
-            degrees[axis] = int(size)
-        except ValueError:
-            raise ConfigError(f"--mesh {item!r}: size must be an int (or -1)") from None
-    base = base or MeshConfig()
-    return dataclasses.replace(base, **degrees)
+    named: dict[str, str] = {}
+    for item in items:
+        axis, size = _mesh_item(item)
+        if axis in named:
+            raise ConfigError(f"--mesh {text!r}: axis {axis!r} is named twice ({named[axis]!r} "
+                              f"and {item!r}); give each axis once")
+        named[axis], degrees[axis] = item, size
+    return dataclasses.replace(base or MeshConfig(), **degrees)
+
+
+def _mesh_item(item: str) -> tuple[str, int]:
+    """``fsdp=4`` -> ("fsdp", 4); ConfigError naming the item otherwise."""
+    axis, sep, size = item.partition("=")
+    if not sep or axis not in MESH_AXES:
+        raise ConfigError(
+            f"--mesh {item!r}: expected AXIS=SIZE with AXIS one of {', '.join(MESH_AXES)}"
+        )
+    try:
+        return axis, int(size)
+    except ValueError:
+        raise ConfigError(f"--mesh {item!r}: size must be an int (or -1)") from None
 
 
 def to_dict(config: Config) -> dict[str, Any]:

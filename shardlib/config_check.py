@@ -63,6 +63,15 @@ def describe(rule: str) -> str:
     return f"in {rule.replace(',', ', ')}"
 
 
+def _wanted(value: object, rule: str, number: bool) -> str:
+    """What a value outside ``rule`` should have been: ``"> 0"``; for NaN or inf (which
+    pass every comparison or none) ``"a finite number > 0"``; for a non-number ``"a number"``."""
+    if not number:
+        return "a number"
+    finite = math.isfinite(value)  # type: ignore[arg-type]
+    return describe(rule) if finite else f"a finite number {describe(rule)}"
+
+
 def _named(key: str, value: object, flags: dict[str, str]) -> tuple[str, str]:
     """('--lr -0.001', ' (optim.lr)') for a field with a flag, else ('optim.lr=-0.001', '')."""
     shown = f"{value:g}" if isinstance(value, float) else repr(value)
@@ -83,10 +92,20 @@ def check_ranges(config: Config, flags: dict[str, str] | None = None) -> None:
             if number and in_range(value, rule):
                 continue
             head, where = _named(f"{section}.{name}", value, flags)
-            raise ConfigError(f"{head}: must be {describe(rule) if number else 'a number'}"
-                              f"{where}")
+            raise ConfigError(f"{head}: must be {_wanted(value, rule, number)}{where}")
+    if config.model.pos_embedding == "learned":
+        check_seq_len(config, flags)
+
+
+def check_seq_len(config: Config, flags: dict[str, str] | None = None) -> None:
+    """Refuse a sequence longer than the built-in GPT's ``model.max_seq_len``: the learned
+    position table's size, or the context a RoPE model declares (unchecked, a long one
+    runs out of memory instead). Not for a user's own model, which ignores ``config.model``."""
     model, seq_len = config.model, config.train.seq_len
-    if model.pos_embedding == "learned" and seq_len > model.max_seq_len:
-        head, where = _named("train.seq_len", seq_len, flags)
-        raise ConfigError(f"{head}: exceeds model.max_seq_len={model.max_seq_len}, the learned "
-                          f"position table{where}; shorten it or raise model.max_seq_len")
+    if seq_len <= model.max_seq_len:
+        return
+    bound = ("the learned position table" if model.pos_embedding == "learned"
+             else "the longest sequence this RoPE model declares")
+    head, where = _named("train.seq_len", seq_len, flags or {})
+    raise ConfigError(f"{head}: exceeds model.max_seq_len={model.max_seq_len}, {bound}{where}; "
+                      f"shorten it or raise model.max_seq_len (--set model.max_seq_len={seq_len})")

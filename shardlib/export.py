@@ -44,26 +44,39 @@ def export_safetensors(directory: str | os.PathLike, out: str | os.PathLike,
                        step: int | None = None) -> ExportResult:
     """Write the parameters of ``step`` (default: the newest good one) to one safetensors
     file, gathering one tensor at a time on the host: peak memory is the largest tensor."""
+    out = check_out(out)
     checkpointer = Checkpointer(directory, read_only=True)
     step = good_step(checkpointer, step)
     arrays = {path.removeprefix("params."): entry
               for path, entry in checkpointer.saved_arrays(step).items()
               if path.startswith("params.")}
-    out = Path(out).expanduser().absolute()
-    if not out.parent.is_dir():
-        raise CheckpointError(f"--out {out}: directory {out.parent} does not exist")
     metadata = {"step": str(step), "config": json.dumps(checkpointer.saved_config(step))}
     header = _safetensors_header({name: meta for name, (_, meta) in arrays.items()}, metadata)
     reader = ocp.PyTreeCheckpointer()
     tmp = out.with_name(out.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(struct.pack("<Q", len(header)) + header)
-        for name in sorted(arrays):  # the header's order; little-endian, like every host
-            value = read_array(reader, checkpointer, step, arrays[name][0])
-            f.write(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
-    os.replace(tmp, out)
+    try:
+        with tmp.open("wb") as f:
+            f.write(struct.pack("<Q", len(header)) + header)
+            for name in sorted(arrays):  # the header's order; little-endian, like every host
+                value = read_array(reader, checkpointer, step, arrays[name][0])
+                f.write(np.ascontiguousarray(value).reshape(-1).view(np.uint8))
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed export leaves nothing behind
+        raise
     count = sum(math.prod(meta.shape) for _, meta in arrays.values())
     return ExportResult(out, step, len(arrays), count, out.stat().st_size)
+
+
+def check_out(out: str | os.PathLike) -> Path:
+    """``--out`` as an absolute path: a file to write, in a folder that exists."""
+    path = Path(out).expanduser().absolute()
+    if path.is_dir():
+        raise CheckpointError(f"--out {path}: a directory; name the file to write, e.g. --out "
+                              f"{path / 'model.safetensors'} (or use --format hf)")
+    if not path.parent.is_dir():
+        raise CheckpointError(f"--out {path}: directory {path.parent} does not exist")
+    return path
 
 
 def good_step(checkpointer: Checkpointer, step: int | None) -> int:

@@ -89,6 +89,10 @@ class Target:
 
     def devices(self) -> list[jax.Device]:
         """The target's devices, compile-only (cached per topology)."""
+        if self.platform == "tpu" and importlib.util.find_spec("libtpu") is None:
+            raise ConfigError(f"--target {self.name} ({self.topology}): compiling for TPU "
+                              "needs libtpu; install the extra: pip install -e \".[tpu]\" "
+                              "(jax[tpu] at the installed jax's version)")
         return list(_devices(self.platform, self.chip.name, self.topology))
 
     def describe(self) -> str:
@@ -193,10 +197,6 @@ def _devices(platform: str, chip: str, topology: str) -> tuple[jax.Device, ...]:
 
 
 def _tpu_devices(topology: str) -> tuple[jax.Device, ...]:
-    if importlib.util.find_spec("libtpu") is None:
-        raise ConfigError(f"--target {topology}: compiling for TPU needs libtpu; install "
-                          "the extra: pip install -e \".[tpu]\" (jax[tpu] at the installed "
-                          "jax's version)")
     quiet_libtpu()
     dims = tuple(int(d) for d in topology.split(":")[1].split("x"))
     megacore = {"chip_config_name": "megacore"} if len(dims) == 3 else {}

@@ -50,7 +50,7 @@ RUN = ["train", "--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--da
        "synthetic", "--log-every", "1", "--set", "optim.warmup_steps=0",
        "train.eval_every=0", "train.sample_tokens=0"]
 HUGE_LR = "1e4"  # Adam at this rate blows the tiny model up within a few steps
-HALT = re.compile(r"shardlib train: error: non-finite loss \S+, grad_norm \S+ at step (\d+) "
+HALT = re.compile(r"shardlib train: error: non-finite (?:loss|grad_norm) .+? at step (\d+) "
                   r"\(--on-nonfinite halt\); halted without saving it; last good checkpoint: "
                   r"step (\d+) in (\S+); continue with --resume")
 

@@ -12,16 +12,20 @@ import argparse
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from shardlib.cli.args import config_from_args, join_negative_values
 from shardlib.cli.defaults import DEFAULT_CPU_DEVICES
 from shardlib.config import Config
 from shardlib.errors import ConfigError, ShardlibError, Terminated
 
+if TYPE_CHECKING:
+    from shardlib.run.loop import TrainResult
+
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every subcommand that builds a model on a mesh."""
-    parser.add_argument("--mesh", default="", help="axis degrees, e.g. data=2,fsdp=2,tensor=2 "
+    parser.add_argument("--mesh", help="axis degrees, e.g. data=2,fsdp=2,tensor=2 "
                         "(unnamed axes are 1; one may be -1), or auto (the planner "
                         "picks). Default: data=-1")
     parser.add_argument("--model", default="small", help="preset: tiny, small, medium, gpt2-small, "
@@ -100,7 +104,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--top-k", type=int, default=0, help="sample from the best K (0: all)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (1: all)")
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--mesh", default="", help="axis degrees, e.g. fsdp=4,tensor=2 "
+    gen.add_argument("--mesh", help="axis degrees, e.g. fsdp=4,tensor=2 "
                      "(default: data=-1)")
     gen.add_argument("--devices", type=int, help="simulate N CPU devices")
     add_compile_cache_flag(gen)
@@ -225,11 +229,29 @@ def run_train(args: argparse.Namespace) -> int:
         return NONFINITE_EXIT_STATUS
     if result.stopped_by:
         from shardlib.distributed import main_print
-        main_print(f"stopped by {result.stopped_by}; checkpoint step {result.checkpoint_step} "
-                   f"saved in {config.checkpoint.dir}; continue with --resume", file=sys.stderr,
-                   flush=True)
+        main_print(stop_message(result, config.checkpoint.dir), file=sys.stderr, flush=True)
         return 130 if result.stopped_by == "SIGINT" else 0
+    if result.resumed_from is not None and result.resumed_from >= config.train.steps:
+        from shardlib.distributed import main_print
+        main_print(f"shardlib train: nothing to train: --resume found checkpoint step "
+                   f"{result.resumed_from} in {config.checkpoint.dir}, and --steps "
+                   f"{config.train.steps} ends there; raise --steps to train further",
+                   file=sys.stderr, flush=True)
     return 0
+
+
+def stop_message(result: TrainResult, directory: str) -> str:
+    """The line a run stopped by a signal ends with: the checkpoint to resume from, or,
+    when none was saved (stopped before the first step, or no directory), that nothing was."""
+    head = f"stopped by {result.stopped_by}"
+    if result.checkpoint_step is not None:
+        return (f"{head}; checkpoint step {result.checkpoint_step} saved in {directory}; "
+                "continue with --resume")
+    done = int(result.state.step)
+    when = "before the first step" if done == 0 else f"after step {done}"
+    if not directory:
+        return f"{head} {when}; nothing saved (no --checkpoint-dir)"
+    return f"{head} {when}; nothing saved in {directory}; start it again (no --resume needed)"
 
 
 NONFINITE_EXIT_STATUS = 4  # a non-finite loss halted the run (a hang exits 3)

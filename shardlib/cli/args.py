@@ -9,7 +9,7 @@ import re
 from collections.abc import Sequence
 
 from shardlib.config import Config, apply_overrides, parse_mesh
-from shardlib.config_check import check_ranges
+from shardlib.config_check import check_ranges, check_seq_len
 
 FLAG_FIELDS = {  # CLI flag (argparse dest) -> (config section, field)
     "steps": ("train", "steps"), "batch_size": ("train", "batch_size"),
@@ -40,7 +40,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     else:
         model = get_preset(args.model)
     config = Config(model=model, rules=tuple(parse_rule(r) for r in args.rules))
-    if args.mesh:
+    if args.mesh is not None:
         config = dataclasses.replace(config, mesh=parse_mesh(args.mesh))
     for flag, (section, field) in FLAG_FIELDS.items():
         value = getattr(args, flag, None)
@@ -48,15 +48,17 @@ def config_from_args(args: argparse.Namespace) -> Config:
             part = dataclasses.replace(getattr(config, section), **{field: value})
             config = dataclasses.replace(config, **{section: part})
     config = apply_overrides(config, args.overrides)
-    check_ranges(config, {f"{section}.{field}": "--" + flag.replace("_", "-")
-                          for flag, (section, field) in FLAG_FIELDS.items()})
+    flags = {f"{section}.{field}": "--" + flag.replace("_", "-")
+             for flag, (section, field) in FLAG_FIELDS.items()}
+    check_ranges(config, flags)
+    check_seq_len(config, flags)
     if args.command == "train":
         from shardlib.cli.data import fit_vocab
         config = fit_vocab(config, args.overrides, quiet=bool(args.process_id))
     return config
 
 
-NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?", re.IGNORECASE)
+NEGATIVE_NUMBER = re.compile(r"-((\d+\.?\d*|\.\d+)(e[-+]?\d+)?|inf(inity)?)", re.IGNORECASE)
 
 
 def join_negative_values(argv: Sequence[str]) -> list[str]:

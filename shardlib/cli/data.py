@@ -64,7 +64,9 @@ def run_tokenizer(args: argparse.Namespace) -> int:
     from shardlib.data.tokenizer import train_tokenizer
 
     tok = train_tokenizer(args.data, args.vocab_size, args.out, text_field=args.text_field)
-    print(f"trained a byte-level BPE: vocab {tok.vocab_size}, end of document "
+    short = (f" (of {args.vocab_size} asked: the text holds no more merges; give more text "
+             "for a larger vocab)" if tok.vocab_size < args.vocab_size else "")
+    print(f"trained a byte-level BPE: vocab {tok.vocab_size}{short}, end of document "
           f"{tok.eod_id} -> {args.out}", flush=True)
     return 0
 

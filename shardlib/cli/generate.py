@@ -64,7 +64,7 @@ def run_generate(args: argparse.Namespace, devices: list[jax.Device]) -> int:
     if model.pos_embedding == "learned" and len(prompt) + args.max_new_tokens > model.max_seq_len:
         raise ShardlibError(f"--max-new-tokens {args.max_new_tokens}: prompt ({len(prompt)}) + "
                             f"new tokens exceed model.max_seq_len={model.max_seq_len}")
-    mesh = parse_mesh(args.mesh) if args.mesh else MeshConfig()
+    mesh = parse_mesh(args.mesh) if args.mesh is not None else MeshConfig()
     config = Config(mesh=mesh, model=model, train=TrainConfig(
         batch_size=len(devices), seq_len=min(model.max_seq_len, 64), data="synthetic",
         eval_every=0, sample_tokens=0))

@@ -24,13 +24,19 @@ def parse_pinned(text: str) -> dict[str, int]:
     """``tensor=8`` -> {"tensor": 8}: axes the search must not change."""
     from shardlib.mesh import MESH_AXES
 
-    pinned = {}
+    pinned: dict[str, int] = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
         axis, _, size = item.partition("=")
         if axis not in MESH_AXES or not size.isdigit() or int(size) < 1:
             raise ConfigError(f"--mesh {item!r}: plan pins degrees as AXIS=N (N >= 1), AXIS "
                               f"one of {', '.join(MESH_AXES)}; leave out the axes to search")
+        if axis in pinned:
+            raise ConfigError(f"--mesh {text!r}: axis {axis!r} is named twice "
+                              f"('{axis}={pinned[axis]}' and {item!r}); pin each axis once")
         pinned[axis] = int(size)
+    if not pinned:
+        raise ConfigError(f"--mesh {text!r}: empty; pin degrees as AXIS=N, or leave out "
+                          "--mesh to search every mesh")
     return pinned
 
 
@@ -110,8 +116,8 @@ def run_plan(args: argparse.Namespace, config_from_args) -> int:
     from shardlib.planner.space import MICROBATCHES, REMATS
     from shardlib.run.compile_cache import enable as enable_compile_cache
 
-    pinned = parse_pinned(args.mesh) if args.mesh else None
-    args.mesh = ""
+    pinned = parse_pinned(args.mesh) if args.mesh is not None else None
+    args.mesh = None
     config = config_from_args(args)
     target = setup_target(args.target)
     if target is None:

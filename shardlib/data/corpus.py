@@ -14,6 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from shardlib.data.tokenize_units import binary_reason
 from shardlib.errors import ConfigError
 
 STDLIB_MAX_BYTES = 8 * 2**20  # enough text for thousands of steps; reads in ~1 s
@@ -59,7 +60,7 @@ def synthetic_corpus(num_bytes: int = 2**21, seed: int = 1234) -> np.ndarray:
 
 
 def file_corpus(path: str) -> np.ndarray:
-    """Bytes of a local text file."""
+    """Bytes of a local UTF-8 text file (a binary one is refused: it would train)."""
     file = Path(path)
     if file.is_dir():
         raise ConfigError(f"--data {path!r}: a directory, but not a prepared dataset (it has no "
@@ -67,7 +68,12 @@ def file_corpus(path: str) -> np.ndarray:
                           f"--out {path}`, or pass a text file")
     if not file.is_file():
         raise ConfigError(f"--data {path!r}: no such file; use stdlib, synthetic or a text file")
-    return np.frombuffer(file.read_bytes(), dtype=np.uint8)
+    raw = file.read_bytes()
+    reason = binary_reason(raw)
+    if reason:
+        raise ConfigError(f"--data {path!r}: not a UTF-8 text file ({reason}); pass a text "
+                          "file, or tokenize other data with `shardlib data prepare`")
+    return np.frombuffer(raw, dtype=np.uint8)
 
 
 @functools.lru_cache(maxsize=4)

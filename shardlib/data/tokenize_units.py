@@ -79,6 +79,23 @@ def parquet(path: str) -> Any:
     return pq
 
 
+BINARY_SAMPLE = 2**20  # bytes looked at for invalid UTF-8 (a NUL anywhere counts)
+BINARY_INVALID = 0.01  # more invalid UTF-8 than this share of the sample: not text
+
+
+def binary_reason(raw: bytes) -> str | None:
+    """Why ``raw`` is not a text corpus (NUL bytes, or mostly not UTF-8), else None. A few
+    invalid bytes in text are replaced and counted elsewhere, never refused."""
+    nul = raw.find(b"\0")
+    if nul >= 0:
+        return f"it holds NUL bytes (the first at byte {nul})"
+    sample = raw[:BINARY_SAMPLE]
+    _, replaced = _decode(sample[:-3] if len(raw) > BINARY_SAMPLE else sample)
+    if replaced > BINARY_INVALID * len(sample):
+        return f"{replaced} of its first {len(sample)} bytes are not UTF-8"
+    return None
+
+
 def _decode(raw: bytes) -> tuple[str, int]:
     """Text and the number of invalid UTF-8 bytes replaced."""
     try:

@@ -17,7 +17,7 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from shardlib.data.tokenize_units import InputError, record_text
+from shardlib.data.tokenize_units import InputError, binary_reason, record_text
 from shardlib.errors import ConfigError
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "[SEP]")
@@ -123,7 +123,12 @@ def iter_training_texts(files: Sequence[str], text_field: str = "text") -> Itera
                     if line.strip():
                         yield json_text(line, text_field, f"{name}:{number}")
         else:
-            yield path.read_text(encoding="utf-8", errors="replace")
+            raw = path.read_bytes()
+            reason = binary_reason(raw)
+            if reason:
+                raise ConfigError(f"--data {name}: not a UTF-8 text file ({reason}); train "
+                                  "the tokenizer on .txt or .jsonl text")
+            yield raw.decode("utf-8", errors="replace")
 
 
 def json_text(line: str, field: str, where: str) -> str:
@@ -148,10 +153,22 @@ def train_tokenizer(files: Sequence[str], vocab_size: int, out: str,
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
-    tok.train_from_iterator(iter_training_texts(files, text_field), trainer=trainer)
+    seen = [False]  # any text other than whitespace?
+    tok.train_from_iterator(_counted(iter_training_texts(files, text_field), seen),
+                            trainer=trainer)
+    if not seen[0]:
+        raise ConfigError(f"--data {' '.join(files)}: no text to learn from (empty, or "
+                          "only whitespace); give files that hold text")
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tok.save(str(tmp))
     tmp.replace(path)
     return HFTokenizer(path)
+
+
+def _counted(texts: Iterator[str], seen: list[bool]) -> Iterator[str]:
+    """``texts`` unchanged; ``seen[0]`` becomes True once one holds more than whitespace."""
+    for text in texts:
+        seen[0] = seen[0] or not text.isspace() and bool(text)
+        yield text

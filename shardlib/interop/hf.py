@@ -105,18 +105,43 @@ class TensorFiles:
 
 
 def _read_header(file: Path) -> dict[str, _Entry]:
+    """The tensors a safetensors file holds; a CheckpointError naming the file for one that
+    is not safetensors (its header size past its end, a header that is not JSON)."""
+    total = file.stat().st_size
     with file.open("rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
+        raw = f.read(8)
+        size = struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
+        if not 0 < size <= total - 8:
+            raise _not_safetensors(file, f"a header of {size} bytes in a {total}-byte file")
+        try:
+            header = json.loads(f.read(size))
+        except ValueError as err:  # not UTF-8 or not JSON
+            raise _not_safetensors(file, f"its header is not JSON: {err}") from None
+    if not isinstance(header, dict):
+        raise _not_safetensors(file, "its header is not a JSON object")
     header.pop("__metadata__", None)
-    entries = {}
-    for name, info in header.items():
-        if info["dtype"] not in _DTYPES:
-            raise CheckpointError(f"{file}: tensor {name} has dtype {info['dtype']}, which "
-                                  f"shardlib cannot read ({', '.join(_DTYPES)})")
-        entries[name] = _Entry(file, info["dtype"], tuple(info["shape"]),
-                               8 + size + info["data_offsets"][0])
-    return entries
+    return {name: _entry(file, name, info, 8 + size, total) for name, info in header.items()}
+
+
+def _entry(file: Path, name: str, info: Any, start: int, total: int) -> _Entry:
+    """One header entry, checked: a known dtype, and data inside the file."""
+    try:
+        dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+    except (TypeError, KeyError, ValueError):
+        raise _not_safetensors(file, f"tensor {name!r} lacks dtype, shape or data_offsets"
+                               ) from None
+    if dtype not in _DTYPES:
+        raise CheckpointError(f"{file}: tensor {name} has dtype {dtype}, which "
+                              f"shardlib cannot read ({', '.join(_DTYPES)})")
+    if start + end > total:
+        raise _not_safetensors(file, f"tensor {name!r} ends at byte {start + end} of "
+                               f"{total}: truncated?")
+    return _Entry(file, dtype, shape, start + begin)
+
+
+def _not_safetensors(file: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"{file}: not a readable safetensors file ({why}); download or "
+                           "save it again")
 
 
 def _read_config_json(path: str | os.PathLike) -> tuple[dict[str, Any], Path]:

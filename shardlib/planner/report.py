@@ -100,6 +100,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "precision": plan.config.precision.policy, "profile": plan.profile.to_dict(),
         "memory_budget_bytes": plan.budget_bytes,
         "pick": scored_dict(best) if best else None,
+        "no_pick_reason": None if best else no_pick_reason(plan),
         "train_command": train_command(plan, best) if best else None,
         "pipeline_note": pipeline_note(plan),
         "candidates": [scored_dict(s) for s in plan.ranked],
@@ -174,8 +175,7 @@ def render(plan: Plan, top: int = 10, console: Console | None = None) -> None:
     for note in plan.notes:
         console.print(f"note: {note}")
     if plan.best is None:
-        console.print("[red]no candidate fits the memory budget[/red]: raise --memory-budget, "
-                      "use more devices or a smaller batch")
+        console.print(f"[red]{no_pick_reason(plan)}[/red]")
         return
     console.print(f"pick: {plan.best.candidate.key}, predicted "
                   f"{_seconds(plan.best.estimate.step_s)} per step")
@@ -183,6 +183,18 @@ def render(plan: Plan, top: int = 10, console: Console | None = None) -> None:
     if note:
         console.print(note)
     console.print(train_command(plan, plan.best))
+
+
+def no_pick_reason(plan: Plan) -> str:
+    """Why ``plan`` picked nothing: the memory budget, unless every candidate was rejected
+    before its memory counted (axes that do not divide the batch, heads or devices)."""
+    if plan.ranked or plan.over_budget or not plan.rejected:
+        return ("no candidate fits the memory budget: raise --memory-budget, use more devices "
+                "or a smaller batch")
+    reason = Counter(r.reason for r in plan.rejected).most_common(1)[0][0]
+    return (f"no valid candidate: all {len(plan.rejected)} were rejected, none for memory "
+            f"(most often: {reason}); use a --devices count or a --batch-size that the mesh "
+            "degrees divide")
 
 
 def pipeline_note(plan: Plan) -> str | None:

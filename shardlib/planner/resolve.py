@@ -10,7 +10,7 @@ import jax
 from shardlib.config import Config
 from shardlib.errors import ConfigError
 from shardlib.planner.profiles import DeviceProfile, get_profile
-from shardlib.planner.report import train_command
+from shardlib.planner.report import no_pick_reason, train_command
 from shardlib.planner.search import plan
 
 
@@ -48,9 +48,8 @@ def resolve_auto(config: Config, devices: list[jax.Device] | None = None, *,
     result = plan(config, len(devices), profile, devices=devices, compile_top=compile_top,
                   budget_bytes=device_budget(devices[0], profile))
     if result.best is None:
-        raise ConfigError(f"--mesh auto: no mesh of {len(devices)} devices fits "
-                          f"{result.budget_bytes} bytes per device for model "
-                          f"{config.model.name}; use more devices or a smaller batch")
+        raise ConfigError(f"--mesh auto on {len(devices)} devices, model {config.model.name}"
+                          f" ({result.budget_bytes} bytes per device): {no_pick_reason(result)}")
     best = result.best
     log(f"mesh auto: picked {best.candidate.key} of {len(result.ranked)} candidates "
         f"(predicted {best.estimate.step_s * 1e3:.1f} ms/step; {train_command(result, best)})")

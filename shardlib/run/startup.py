@@ -13,7 +13,7 @@ from shardlib import contract, observe
 from shardlib import data as data_lib
 from shardlib.checkpoint import check_path
 from shardlib.config import Config
-from shardlib.config_check import check_ranges
+from shardlib.config_check import check_ranges, check_seq_len
 from shardlib.contract import Model
 from shardlib.errors import ConfigError
 from shardlib.planner import resolve_auto
@@ -43,6 +43,7 @@ def preflight(config: Config, devices: list[jax.Device] | None, model: Model | N
             raise ConfigError(f"train(model={model.name!r}): give its data too, data= a "
                               "function of the batch index or an iterable of dicts of arrays")
         return config, None, build_setup(config, devices, model=model)
+    check_seq_len(config)
     source = data_lib.open_source(config)  # bad data or tokenizer fails before compiling
     return config, source, build_setup(config, devices)
 

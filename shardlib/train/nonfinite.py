@@ -105,10 +105,12 @@ class Tracker:
 
 
 def _describe(row: dict[str, Any], loss_scaling: bool) -> str:
-    parts = [f"loss {row['loss']:.4g}"]
-    if not loss_scaling and "grad_norm" in row:
-        parts.append(f"grad_norm {row['grad_norm']:.4g}")
-    return ", ".join(parts)
+    """``grad_norm nan (loss 5.545 finite)``: the non-finite values first, so that the
+    halt line ("non-finite ...") names the one that was."""
+    names = ("loss", "grad_norm") if not loss_scaling and "grad_norm" in row else ("loss",)
+    bad = [f"{name} {row[name]:.4g}" for name in names if not math.isfinite(row[name])]
+    good = [f"{name} {row[name]:.4g}" for name in names if math.isfinite(row[name])]
+    return " and ".join(bad) + (f" ({', '.join(good)} finite)" if good else "")
 
 
 def halt_message(reason: str, checkpoint_dir: str, last_good: int | None) -> str:
