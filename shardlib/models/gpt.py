@@ -24,12 +24,11 @@ from shardlib.models.layers import (
     LayerNorm,
     RMSNorm,
     RopeScaling,
-    call_gathered,
     normal,
     param,
     remat,
     remat_sublayer,
-    remat_unit,
+    run_unit,
     scan_layers,
     stack_layers,
     tie_sublayer,
@@ -187,7 +186,7 @@ def run_dense(blocks: nnx.Module, x_btd: jax.Array, cfg: ModelConfig) -> jax.Arr
     if cfg.scan_layers:
         return scan_layers(blocks, x_btd, cfg.remat)
     for block in blocks:
-        x_btd = remat_unit(lambda x, b=block: call_gathered(b, x), cfg.remat)(x_btd)
+        x_btd = run_unit(block, x_btd, cfg.remat)
     return x_btd
 
 

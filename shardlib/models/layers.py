@@ -450,6 +450,17 @@ def call_gathered(module: nnx.Module, *args: jax.Array):
     return nnx.merge(graphdef, hooks.gather_weights(state))(*args)
 
 
+def run_unit(module: nnx.Module, x: jax.Array, policy: str) -> jax.Array:
+    """``call_gathered(module, x)`` under ``remat_unit``: the unit's weights passed as an
+    argument (a ``custom_vjp`` may not close over them)."""
+    graphdef, state = nnx.split(module)
+
+    def unit(state: nnx.State, x: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, hooks.gather_weights(state))(x)
+
+    return remat_unit(unit, policy)(state, x)
+
+
 def remat_unit(fn: Callable, policy: str) -> Callable:
     """``remat(fn, policy)`` for a unit run outside a layer scan (a list of layers).
 
