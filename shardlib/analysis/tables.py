@@ -65,7 +65,7 @@ def sharding_table(rows: list[ParamInfo]) -> Table:
                          no_wrap=column == "path")
     for row in rows:
         spec = "(" + ", ".join(str(e) for e in row.spec) + ")"
-        table.add_row(row.path, str(row.shape), ", ".join(row.logical), spec,
+        table.add_row(row.path, str(row.shape), ", ".join(d or "-" for d in row.logical), spec,
                       format_bytes(row.bytes_per_device))
     total = sum(row.bytes_per_device for row in rows)
     table.add_row("total", "", "", "", format_bytes(total), style="bold")
