@@ -105,13 +105,17 @@ def layer_and_reference(changes: dict):
     ((value, dropped), grads), ((ref_value, _), ref_grads) = jax.jit(
         lambda p, x: (grad(ours)(p, x), grad(theirs)(p, x)))(pure, x_btd)
     assert dropped == 0.0, "the capacity must keep every token"
-    return (value, grads), (ref_value, ref_grads), layer, x_btd
+    # the value sums 2 B T D products that cancel: its float32 error scales with their
+    # magnitudes, not with the sum (measured: 6.7e-6 off on one host's CPU, rtol 1.3e-5)
+    magnitude = float(jnp.sum(jnp.abs(token_reference(cfg, pure, x_btd)[0] * r_btd)))
+    return (value, grads), (ref_value, ref_grads, magnitude), layer, x_btd
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_option_equals_per_token_reference(name):
-    (value, grads), (ref_value, ref_grads), layer, x_btd = layer_and_reference(CASES[name])
-    np.testing.assert_allclose(value, ref_value, rtol=TOL)
+    (value, grads), (ref_value, ref_grads, magnitude), layer, x_btd = layer_and_reference(
+        CASES[name])
+    assert abs(float(value) - float(ref_value)) <= TOL * magnitude
     flat, ref_flat = jax.tree.leaves_with_path(grads), jax.tree.leaves_with_path(ref_grads)
     assert [p for p, _ in flat] == [p for p, _ in ref_flat]
     for (path, g), (_, ref_g) in zip(flat, ref_flat, strict=True):

@@ -51,15 +51,15 @@ class TrainResult:
     halt_message: str | None = None  # why a non-finite loss/grad norm halted the run
 
 
-def _rows(pending: list[tuple[int, dict]], since: float, examples: int,
-          tokens: int) -> list[dict[str, Any]]:
+def _rows(pending: list[tuple[int, dict]], since: float, tokens: int,
+          examples: int = 0) -> list[dict[str, Any]]:
     """Host-side metric rows for steps dispatched since the last sync (at ``since``, a
     ``perf_counter`` time): ``examples_per_sec``, and ``tokens_per_sec`` when the batch
     has a sequence (``tokens`` > 0). Steps run asynchronously: the step time is taken once
     their metrics have arrived, not when they were dispatched."""
     fetched = jax.device_get([m for _, m in pending])
     step_time = (time.perf_counter() - since) / len(pending)
-    rates = {"examples_per_sec": examples / step_time}
+    rates = {"examples_per_sec": examples / step_time} if examples else {}
     if tokens:
         rates["tokens_per_sec"] = tokens / step_time
     return [
@@ -293,7 +293,7 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
         due = adapt is not None and adapt.due(step)
         if do_eval or due or step % tc.log_every == 0 or step == tc.steps:
             with timeline.phase("sync"):
-                rows = _rows(pending, tick, tc.batch_size, tokens)
+                rows = _rows(pending, tick, tokens, tc.batch_size)
             halt = guards.synced(rows)
             if loader.state()["epoch"] is not None:
                 rows[-1]["epoch"] = loader.state()["epoch"]
@@ -316,7 +316,7 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
         _hand_over(checkpointer, to_save, setup)
     if pending:  # stopped by a signal between two log steps
         with timeline.phase("sync"):
-            rows = _rows(pending, tick, tc.batch_size, tokens)
+            rows = _rows(pending, tick, tokens, tc.batch_size)
         guards.synced(rows)
         _report(result, reporter, observer.annotate(rows))
     return state, compile_s
