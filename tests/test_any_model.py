@@ -52,14 +52,17 @@ def user_config(mesh: MeshConfig, steps: int = 3, **train) -> Config:
                                     **train))
 
 
-def run_user(model: shardlib.Model, config: Config, devices: int = 8):
-    """Train ``config.train.steps`` steps on one ``image_batch`` (so the loss falls): (losses,
-    params by path, the final state, setup)."""
+def run_user(model: shardlib.Model, config: Config, devices: int = 8,
+             host_batch: dict | None = None):
+    """Train ``config.train.steps`` steps on one batch (``host_batch``, else
+    ``image_batch(0)``; the same every step, so the loss falls): (losses, params by path,
+    the final state, setup)."""
     setup = build_setup(config, jax.devices()[:devices], model=model)
     state, step = init_state(setup, 0), make_train_step(setup)
     losses = []
     for _ in range(config.train.steps):
-        batch = to_global(image_batch(0), setup.batch_sharding, model.batch)
+        batch = to_global(image_batch(0) if host_batch is None else host_batch,
+                          setup.batch_sharding, model.batch)
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     params = {".".join(map(str, p)): np.asarray(v.get_value())

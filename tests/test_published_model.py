@@ -20,11 +20,9 @@ from flax import nnx
 
 import shardlib
 from shardlib.config import MeshConfig
-from shardlib.data.arrays import to_global
-from shardlib.train.state import build_setup, init_state, param_table
-from shardlib.train.step import make_train_step
+from shardlib.train.state import build_setup, param_table
 from tests.helpers import TOL, assert_tensors_close
-from tests.test_any_model import MESHES, user_config
+from tests.test_any_model import MESHES, run_user, user_config
 
 mamba2_jax = pytest.importorskip("mamba2_jax")
 
@@ -57,16 +55,9 @@ def token_batch(seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def run(mesh: MeshConfig, devices: int = 8):
-    """Three steps on the same batch (so the loss falls): losses, params by path, state."""
-    setup = build_setup(user_config(mesh), jax.devices()[:devices], model=mamba2())
-    state, step = init_state(setup, 0), make_train_step(setup)
-    losses = []
-    for _ in range(setup.config.train.steps):
-        state, metrics = step(state, to_global(token_batch(), setup.batch_sharding, TOKENS))
-        losses.append(float(metrics["loss"]))
-    params = {".".join(map(str, p)): np.asarray(v.get_value())
-              for p, v in nnx.to_flat_state(state.params)}
-    return np.array(losses), params, state, setup
+    """Three steps on the same batch (so the loss falls): losses, params by path, state,
+    setup (``tests/test_any_model.run_user``)."""
+    return run_user(mamba2(), user_config(mesh), devices, host_batch=token_batch())
 
 
 @pytest.fixture(scope="module")
