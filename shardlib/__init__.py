@@ -84,7 +84,8 @@ class _CallablePackage(types.ModuleType):
 class _Package(types.ModuleType):
     """``shardlib`` itself. Importing a submodule binds it here; for the two that share a
     public name: the ``shardlib.train`` package becomes callable, and ``shardlib.reshard``
-    stays the function (as eager imports had it)."""
+    stays the function (as eager imports had it). Once the models are imported, so is
+    ``shardlib.parallel``, which installs the layer hooks they call."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         if isinstance(value, types.ModuleType) and value.__name__ == f"{__name__}.{name}":
@@ -93,6 +94,8 @@ class _Package(types.ModuleType):
             elif name in _LAZY:
                 value = getattr(value, name)
         super().__setattr__(name, value)
+        if name == "models":
+            importlib.import_module(f"{__name__}.parallel")
 
 
 def __getattr__(name: str) -> Any:

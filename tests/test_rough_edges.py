@@ -249,3 +249,11 @@ def test_the_package_is_lazy_but_whole():
     assert set(shardlib.__all__) <= set(dir(shardlib))
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         _ = shardlib.nope
+
+
+def test_importing_the_models_installs_the_layer_hooks_as_eager_imports_did():
+    script = ("import sys\nfrom shardlib.models import GPT\n"
+              "print('shardlib.parallel' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.stdout.strip().splitlines()[-1] == "True", run.stdout + run.stderr
