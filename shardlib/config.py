@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardlib.errors import ConfigError
-from shardlib.mesh import MESH_AXES
+
+MESH_AXES: tuple[str, ...] = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
+"""Every mesh axis shardlib knows, outermost (slowest links) first (``shardlib.mesh``
+re-exports it; defined here so that a config, and ``shardlib --help``, need no JAX)."""
 
 
 @dataclass(frozen=True)

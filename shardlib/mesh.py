@@ -18,10 +18,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from shardlib.config import MESH_AXES  # defined beside MeshConfig, which imports no JAX
 from shardlib.errors import MeshError
-
-MESH_AXES: tuple[str, ...] = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
-"""Every mesh axis shardlib knows, outermost (slowest links) first."""
 
 
 def resolve_degrees(degrees: Mapping[str, int], num_devices: int) -> dict[str, int]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 import re
 from dataclasses import dataclass
 from functools import cache
@@ -24,6 +23,7 @@ from functools import cache
 import jax
 from jax.experimental import topologies
 
+from shardlib.accelerator import quiet_libtpu
 from shardlib.errors import ConfigError
 from shardlib.target_gpu import gpu_devices
 
@@ -170,24 +170,6 @@ def _gpu(name: str, model: str, per_node: int, nodes: int) -> Target:
 
 
 # --- devices --------------------------------------------------------------------------
-
-# What libtpu would otherwise look up (and warn about) on a host without TPUs; and leave to
-# other processes the lock libtpu takes on /tmp/libtpu_lockfile, so that several processes
-# (pytest workers, a notebook beside a CLI run) can each compile for a target.
-LIBTPU_QUIET = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-8",
-                "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
-TPU_DEVICE_NODES = ("/dev/accel0", "/dev/vfio/0")
-
-
-def quiet_libtpu(env: dict[str, str] | None = None) -> None:
-    """On a host without TPUs, give libtpu the settings it would otherwise look up (and
-    print warnings about) when JAX starts; a real TPU VM is left alone. Before JAX starts."""
-    env = os.environ if env is None else env
-    if any(os.path.exists(node) for node in TPU_DEVICE_NODES):
-        return
-    for key, value in LIBTPU_QUIET.items():
-        env.setdefault(key, value)
-
 
 @cache
 def _devices(platform: str, chip: str, topology: str) -> tuple[jax.Device, ...]:

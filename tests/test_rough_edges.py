@@ -1,7 +1,8 @@
 """The rough edges a new user hit (issue 45, parts 5-7): each input below once ran, misled
 or gave a traceback; now it gets one clear line.
 
-In-process (``shardlib.cli.main``) where no step is compiled; a second or less per case.
+In-process (``shardlib.cli.main``); most cases compile nothing and take a second or less,
+the few that need a run train the tiny model for a step or two.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import re
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -213,3 +215,45 @@ def test_missing_libtpu_names_the_target_as_typed(typed, monkeypatch, capsys):
     rc = main(["inspect", "--model", "tiny", "--target", typed])
     err = one_error_line(capsys, 2, rc)
     assert f"--target {typed} (v5e:2x4): compiling for TPU needs libtpu" in err, err
+
+
+# ----------------------------------------------------------------------------- part 7
+
+@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["plan", "--help"],
+                                  ["train", "--mesh", "data=2,data=2"], ["train", "--bogus"]])
+def test_help_and_argument_errors_do_not_import_jax(argv):
+    """``shardlib --help`` answers in a fraction of a second: JAX (1-2 s to import, far
+    more on a loaded machine) is imported only by the subcommands that run something."""
+    script = ("import sys\nfrom shardlib.cli import main\ntry:\n    main(sys.argv[1:])\n"
+              "except SystemExit:\n    pass\nprint(sorted(m for m in ('jax', 'flax', 'optax') "
+              "if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", script, *argv], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.stdout.strip().splitlines()[-1] == "[]", run.stdout + run.stderr
+
+
+def test_shardlib_help_is_fast():
+    started = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "shardlib", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "train" in run.stdout
+    assert time.perf_counter() - started < 10  # ~0.2 s idle; JAX's import alone took 2-12 s
+
+
+def test_the_package_is_lazy_but_whole():
+    import shardlib
+
+    assert callable(shardlib.train) and shardlib.train.__name__ == "shardlib.train"
+    assert shardlib.Config is __import__("shardlib.config").config.Config
+    assert callable(shardlib.reshard) and shardlib.mesh.MESH_AXES[0] == "data"
+    assert set(shardlib.__all__) <= set(dir(shardlib))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = shardlib.nope
+
+
+def test_importing_the_models_installs_the_layer_hooks_as_eager_imports_did():
+    script = ("import sys\nfrom shardlib.models import GPT\n"
+              "print('shardlib.parallel' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert run.stdout.strip().splitlines()[-1] == "True", run.stdout + run.stderr

@@ -207,11 +207,11 @@ def start_processes(args: argparse.Namespace) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     """``shardlib train``: build the config, set up devices, train, print the summary."""
+    config = config_from_args(args)  # bad flags fail here, before the run's imports
+    check_checkpoint_flags(args, config)
     from shardlib.reporting import ConsoleReporter, MetricsFile, Reporters, close
     from shardlib.run.loop import train
 
-    config = config_from_args(args)
-    check_checkpoint_flags(args, config)
     processes = start_processes(args)
     devices = setup_devices(args.devices, processes)
     reporters = [ConsoleReporter(config.train.steps)]

@@ -31,6 +31,7 @@ FLAG_FIELDS = {  # CLI flag (argparse dest) -> (config section, field)
 
 def config_from_args(args: argparse.Namespace) -> Config:
     """Preset, then flags, then ``--set`` overrides (which win)."""
+    mesh = parse_mesh(args.mesh) if args.mesh is not None else None  # before JAX is imported
     from shardlib.models import get_preset
     from shardlib.sharding import parse_rule
 
@@ -40,8 +41,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
     else:
         model = get_preset(args.model)
     config = Config(model=model, rules=tuple(parse_rule(r) for r in args.rules))
-    if args.mesh is not None:
-        config = dataclasses.replace(config, mesh=parse_mesh(args.mesh))
+    if mesh is not None:
+        config = dataclasses.replace(config, mesh=mesh)
     for flag, (section, field) in FLAG_FIELDS.items():
         value = getattr(args, flag, None)
         if value is not None:
