@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from shardlib.checkpoint_files import (
     QUIET_ORBAX,
@@ -48,6 +49,7 @@ from shardlib.checkpoint_files import (
     live_holder,
     quiet_closed_loops,
     remove_incomplete,
+    set_aside,
     storage_cause,
     take_lock,
     warn,
@@ -117,6 +119,7 @@ class Checkpointer:
                                   ">= 1 and every >= 0 (0: save only at the end)")
         self.directory = check_directory(directory, create=not read_only, probe=not lock)
         self.every = every
+        self.keep = keep
         self.read_only = read_only
         self.checksums = checksums
         self._lock = take_lock(self.directory, f"--checkpoint-dir {directory}") if lock \
@@ -132,6 +135,9 @@ class Checkpointer:
         # step -> the data loader's state after that step (set by the training loop);
         # saved beside the state so --resume reads exactly the batches that come next
         self.data_state: Callable[[int], dict[str, Any]] | None = None
+        # the newest step the training loop has checked healthy (run.spike): rotation
+        # counts only checkpoints up to it, so a diverging run's never push good ones out
+        self.trusted_through: Callable[[], int] | None = None
         logging.getLogger("absl").addFilter(QUIET_ORBAX)
         quiet_closed_loops()
         try:
@@ -162,7 +168,7 @@ class Checkpointer:
                            "data": ocp.JsonCheckpointHandler()},
             options=ocp.CheckpointManagerOptions(
                 # read_only: orbax's own flag only logs warnings; this writes nothing either
-                max_to_keep=None if self.read_only else keep, create=False,
+                max_to_keep=None, create=False,  # rotation is _rotate's
                 # done above, before returning: orbax's own cleanup runs on a thread that
                 # its close() does not wait for (at exit it dies with a traceback)
                 cleanup_tmp_directories=False,
@@ -196,6 +202,7 @@ class Checkpointer:
         if step in self.steps():  # also waits for the previous hand-off
             return
         self._orbax_wait(at=step)  # the file-list callback knows its step
+        self._rotate()
         self._saving = step
         self._verified.discard(step)  # a step saved again (after rotation) is checked again
         finite = finite_flag(state)  # on device, before the next step may donate it
@@ -219,6 +226,27 @@ class Checkpointer:
             self._jobs.put((step, args, finite))
         if wait:
             self.wait()
+
+    def _rotate(self) -> None:
+        """Delete the oldest trusted checkpoints beyond ``keep`` (with no save in flight);
+        untrusted ones, newer than the loop has checked, neither count nor go."""
+        newest = self.trusted_through() if self.trusted_through is not None else None
+        trusted = [s for s in self._manager.all_steps() if newest is None or s <= newest]
+        for step in sorted(trusted)[:-self.keep]:
+            self._manager.delete(step)
+
+    def set_aside(self, first: int) -> tuple[list[int], Path]:
+        """Move the checkpoints of steps >= ``first`` (a diverged run's) out of the
+        rotation into ``diverged/``: kept for a look, never restored. Their steps and
+        where they went."""
+        self.wait()
+        steps = [s for s in self._manager.all_steps() if s >= first]
+        aside = set_aside(self.directory, steps) if is_main_process() else \
+            self.directory / "diverged"
+        if jax.process_count() > 1:  # every process sees the move before reloading
+            multihost_utils.sync_global_devices("shardlib-set-aside")
+        self._manager.reload()
+        return steps, aside
 
     def _hand_off(self) -> None:
         """The hand-off thread: one orbax save per queued job, until None (close); then it
@@ -306,6 +334,8 @@ class Checkpointer:
         try:
             if self._failure is None or not self._failure_raised:
                 self.wait()
+                if not self.read_only:
+                    self._rotate()
         finally:
             if self._worker is not None:
                 self._jobs.put(None)

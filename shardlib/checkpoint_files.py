@@ -172,6 +172,20 @@ def finished_steps(directory: Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
 
 
+def set_aside(directory: Path, steps: list[int]) -> Path:
+    """Move these step folders into ``directory/diverged`` (a name taken gets ``-2``,
+    ``-3``...): out of the steps a restore or rotation sees, nothing deleted."""
+    aside = directory / "diverged"
+    aside.mkdir(exist_ok=True)
+    for step in steps:
+        target, n = aside / str(step), 1
+        while target.exists():
+            n += 1
+            target = aside / f"{step}-{n}"
+        (directory / str(step)).rename(target)
+    return aside
+
+
 # -- a failed write, in a few words -----------------------------------------------------
 
 _FIXES = {

@@ -171,6 +171,14 @@ class TrainConfig:
     # dump stacks, exit non-zero. -1: max(300 s, 20 x the median step); 0: off
     on_nonfinite: str = "halt"  # non-finite loss/grad norm: halt | skip (keep state, count)
     max_skipped: int = 10  # skip: halt after this many non-finite steps in a row
+    # The divergence guard (shardlib.run.spike): a loss above spike_factor x its running
+    # average for spike_steps steps in a row is a spike: halt | rewind | off
+    on_spike: str = "halt"
+    spike_factor: float = 2.0
+    spike_steps: int = 5
+    spike_grad_factor: float = 0.0  # the same test on the grad norm (0: loss only)
+    spike_warmup: int = 20  # healthy steps averaged before the guard watches
+    max_rewinds: int = 3  # rewind: halt at the spike after this many rewinds
     # Resuming past a halt (shardlib.run.resume): start the data this many batches further
     # on (after the checkpoint's position on --resume), past the batches that brought a NaN
     skip_batches: int = 0

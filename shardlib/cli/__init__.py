@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: max(300, 20 x the median step); 0: off)")
     train.add_argument("--on-nonfinite", choices=("halt", "skip"), help="a NaN/inf loss or "
                        "grad norm: halt (default, exit 4) or skip the step (state kept)")
+    train.add_argument("--on-spike", choices=("halt", "rewind", "off"), help="a finite loss "
+                       "above train.spike_factor x its running average for train.spike_steps "
+                       "steps: halt (default, exit 4), rewind to the checkpoint before it "
+                       "and skip its batches, or off")
     train.add_argument("--skip-batches", type=int, metavar="N", help="start the data N "
                        "batches further on (after the checkpoint's position with --resume): "
                        "past the batches before a NaN halt")

@@ -23,6 +23,7 @@ FLAG_FIELDS = {  # CLI flag (argparse dest) -> (config section, field)
     "keep": ("checkpoint", "keep"), "resume": ("checkpoint", "resume"),
     "tokenizer": ("data", "tokenizer"),
     "hang_timeout": ("train", "hang_timeout_s"), "on_nonfinite": ("train", "on_nonfinite"),
+    "on_spike": ("train", "on_spike"),
     "skip_batches": ("train", "skip_batches"),
     "lr_scale_on_resume": ("train", "lr_scale_on_resume"),
     "compile_cache": ("train", "compile_cache"),

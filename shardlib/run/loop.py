@@ -28,7 +28,7 @@ from shardlib.data.arrays import ArrayLoader, BatchSource
 from shardlib.distributed import main_print
 from shardlib.interop.hf import pretrained_state
 from shardlib.reporting import NullReporter, Reporter
-from shardlib.run import compile_cache, goodput, resume, signals, startup, watchdog
+from shardlib.run import compile_cache, goodput, resume, signals, spike, startup, watchdog
 from shardlib.run.evaluation import eval_loss, eval_row, sample_text
 from shardlib.run.guards import Guards
 from shardlib.train import comm, nonfinite
@@ -156,8 +156,13 @@ def _open(setup: TrainSetup, source: Any, state: TrainState | None,
     exits.callback(dog.close)
     timeline.listeners.append(dog.on_phase)
     guards = Guards(timeline, dog, nonfinite.Tracker(config.train, setup.policy.loss_scaling),
-                    config.checkpoint.dir, goodput.read_progress(config.checkpoint.dir)
-                    if config.checkpoint.dir else 0)
+                    spike.SpikeGuard(config.train), config.checkpoint.dir,
+                    goodput.read_progress(config.checkpoint.dir)
+                    if config.checkpoint.dir else 0, checked=int(state.step))
+    if result.resumed_from is not None:  # the running averages of the run that saved it
+        guards.spike.restore((checkpointer.saved_data_state(result.resumed_from) or {})
+                             .get("spike"))
+    _save_positions(checkpointer, loader, state, guards)
     observer = observe.RunObserver(setup)
     exits.callback(observer.profiler.stop)
     reporter.on_start(setup, {"params": param_count(setup)})
@@ -204,14 +209,22 @@ def _finish(run: _Opened, state: TrainState, compile_s: float, started: float,
     result.summary.update(run.observer.summary(result.summary))  # MFU, peak memory, trace
     if run.checkpointer is not None:
         with timeline.phase("checkpoint"):
+            if result.stopped_by == "spike":  # the diverged run's checkpoints go aside
+                steps, aside = _set_aside(run.checkpointer, run.guards.spike.began)
+                run.guards.set_aside = (run.guards.set_aside[0] + steps, aside)
             _final_save(run.checkpointer, state, config, result)
     if run.guards.tracker.reason is not None:
         result.halt_message = nonfinite.halt_message(
             run.guards.tracker.reason, config.checkpoint.dir, result.checkpoint_step)
+    elif run.guards.spike.reason is not None:
+        result.halt_message = spike.halt_message(
+            run.guards.spike.reason, config.checkpoint.dir, result.checkpoint_step,
+            *run.guards.set_aside)
     with timeline.phase("sample"):
         if not result.stopped_by and tokenizer is not None and result.setup.model.has("generate"):
             result.sample = sample_text(result.setup, state, config.train, tokenizer, timeline)
     result.summary.update(run.guards.tracker.summary())
+    result.summary.update(run.guards.spike.summary())
     result.summary.update(timeline.summary())
     run.reporter.on_end(result.summary, result.sample)
     return result
@@ -230,10 +243,20 @@ def _loader(setup: TrainSetup, source: Any, state: TrainState,
     if saved is not None:
         loader.restore(saved)
     loader.next_batch += setup.config.train.skip_batches  # past the batches before a halt
-    if checkpointer is not None:
-        offset = loader.next_batch - int(state.step)  # batch k feeds step k + 1 - offset
-        checkpointer.data_state = lambda step: loader.state(step + offset)
     return loader
+
+
+def _save_positions(checkpointer: Checkpointer | None, loader: Any, state: TrainState,
+                    guards: Guards) -> None:
+    """What each checkpoint saves beside the state: the loader's position after its step
+    and the divergence guard's averages; and which checkpoints rotation may count."""
+    if checkpointer is None:
+        return
+    offset = loader.next_batch - int(state.step)  # batch k feeds step k + 1 - offset
+    checkpointer.data_state = lambda step: {**loader.state(step + offset),
+                                            "spike": guards.spike.state()}
+    if guards.spike.tc.on_spike != "off":
+        checkpointer.trusted_through = guards.trusted_through
 
 
 def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Reporter,
@@ -261,14 +284,15 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
     pending: list[tuple[int, dict]] = []
     after_save = to_save = None  # the non-donating step; a kept state to save
     tick = time.perf_counter()
-    first_step = int(state.step) + 1
     serial = _serial_steps(setup)
-    for step in range(first_step, tc.steps + 1):
+    step, ready = int(state.step), first  # ready: a batch read already
+    while step < tc.steps:
+        step += 1
         if stop.requested(step, tc.log_every):
             result.stopped_by = stop.signal
             break
         with timeline.phase("data"):
-            batch = first if step == first_step else next(loader)
+            batch, ready = (ready if ready is not None else next(loader)), None
         observer.profiler.before_step(step, state)
         with timeline.phase("step"):
             state, metrics = (after_save or step_fn)(state, batch)
@@ -309,8 +333,16 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
             with timeline.phase("report"):
                 _report(result, reporter, observer.annotate(rows))
             pending, tick = [], time.perf_counter()
+            if halt is not None and guards.halted_by == "spike":
+                with timeline.phase("checkpoint"):
+                    _hand_over(checkpointer, to_save, setup)
+                    to_save = after_save = None
+                    rewound = _rewind(setup, checkpointer, loader, guards, step)
+                if rewound is not None:
+                    state, step = rewound, int(rewound.step)
+                    continue
             if halt is not None:
-                result.stopped_by = "non-finite"
+                result.stopped_by = guards.halted_by
                 break
     with timeline.phase("checkpoint"):
         _hand_over(checkpointer, to_save, setup)
@@ -320,6 +352,45 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
         guards.synced(rows)
         _report(result, reporter, observer.annotate(rows))
     return state, compile_s
+
+
+def _rewind(setup: TrainSetup, checkpointer: Checkpointer | None, loader: Any,
+            guards: Guards, step: int) -> TrainState | None:
+    """``train.on_spike rewind``: move the checkpoints taken since the spike began aside,
+    restore the newest one before it, and read on past the batches of steps up to
+    ``step`` (the spike's). None (the run halts) without a checkpoint to return to or
+    once ``train.max_rewinds`` rewinds are spent."""
+    tc, spiked = setup.config.train, guards.spike
+    if tc.on_spike != "rewind" or checkpointer is None or spiked.rewinds >= tc.max_rewinds:
+        return None
+    guards.set_aside = _set_aside(checkpointer, spiked.began)
+    state = checkpointer.restore_latest(setup)
+    if state is None:
+        return None
+    back = int(state.step)
+    saved = checkpointer.saved_data_state(back)
+    if saved is not None:
+        loader.restore(saved)
+        spiked.restore(saved.get("spike"))
+    loader.next_batch += step - back  # past the batches that fed the spike
+    main_print(f"shardlib train: {spiked.reason}; rewound to checkpoint step {back} and "
+               f"skipping the batches of steps {back + 1}-{step} (rewind {spiked.rewinds + 1} "
+               f"of train.max_rewinds={tc.max_rewinds})", file=sys.stderr, flush=True)
+    spiked.rewound()
+    guards.furthest = max(guards.furthest, step)  # steps until then again are rework
+    guards.checked = back
+    _save_positions(checkpointer, loader, state, guards)
+    return state
+
+
+def _set_aside(checkpointer: Checkpointer, began: int) -> tuple[list[int], str]:
+    """The checkpoints taken at or after step ``began`` (a spike's) moved aside, said."""
+    steps, aside = checkpointer.set_aside(began)
+    if steps:
+        main_print(f"shardlib train: checkpoints {', '.join(map(str, steps))} were taken after "
+                   f"the spike began at step {began}: moved to {aside}, out of --resume's "
+                   "reach", file=sys.stderr, flush=True)
+    return steps, str(aside)
 
 
 def _hand_over(checkpointer: Checkpointer | None, to_save: tuple[int, TrainState] | None,
@@ -392,8 +463,8 @@ def _final_save(checkpointer: Checkpointer, state: TrainState, config: Config,
                 result: TrainResult) -> None:
     """Save the last state (unless it is saved already), wait for every write to finish."""
     step = int(state.step)
-    if step > 0 and result.stopped_by != "non-finite":  # a halted run's state is not saved
-        checkpointer.save(step, state, config)
+    if step > 0 and result.stopped_by not in ("non-finite", "spike"):  # a halted run's state
+        checkpointer.save(step, state, config)  # is not saved
     checkpointer.close()
     result.checkpoint_step = checkpointer.latest_step()
     result.summary.update(checkpoint_step=result.checkpoint_step,

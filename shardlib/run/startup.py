@@ -17,7 +17,7 @@ from shardlib.config_check import check_ranges, check_seq_len
 from shardlib.contract import Model
 from shardlib.errors import ConfigError
 from shardlib.planner import resolve_auto
-from shardlib.run import watchdog
+from shardlib.run import spike, watchdog
 from shardlib.train import nonfinite
 from shardlib.train.state import TrainSetup, build_setup, lr_schedule
 
@@ -31,6 +31,7 @@ def preflight(config: Config, devices: list[jax.Device] | None, model: Model | N
     ``ShardlibError`` naming the problem otherwise."""
     check_ranges(config)
     nonfinite.check_config(config.train)
+    spike.check_config(config.train)
     watchdog.check_timeout(config.train.hang_timeout_s)
     observe.check(config.train)
     if config.checkpoint.dir:
