@@ -179,6 +179,7 @@ class TrainConfig:
     spike_grad_factor: float = 0.0  # the same test on the grad norm (0: loss only)
     spike_warmup: int = 20  # healthy steps averaged before the guard watches
     max_rewinds: int = 3  # rewind: halt at the spike after this many rewinds
+    check_memory: bool = True  # refuse a run whose state or step cannot fit (shardlib.run.fit)
     # Resuming past a halt (shardlib.run.resume): start the data this many batches further
     # on (after the checkpoint's position on --resume), past the batches that brought a NaN
     skip_batches: int = 0

@@ -35,8 +35,6 @@ from shardlib.train.step import make_eval_step, make_train_step
 from tests.helpers import TOL, assert_tensors_close
 from tests.user_models import convnet, dropout_mlp, image_batch, vit
 
-pytestmark = pytest.mark.contract
-
 MESHES = {  # the 2x2x2-and-flat meshes of batch axes and tensor: no capability needed
     "data=8": MeshConfig(data=8), "fsdp=8": MeshConfig(data=1, fsdp=8),
     "data=2,fsdp=4": MeshConfig(data=2, fsdp=4),
@@ -76,6 +74,7 @@ def one_device():
             for name, make in MODELS.items()}
 
 
+@pytest.mark.contract
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("name", MODELS)
 def test_user_model_trains_like_one_device(name, mesh, one_device):
@@ -86,6 +85,7 @@ def test_user_model_trains_like_one_device(name, mesh, one_device):
     assert_tensors_close(params, ref_params, TOL)
 
 
+@pytest.mark.contract
 @pytest.mark.parametrize("mesh, accum", [(MeshConfig(data=2, fsdp=2, tensor=2), 2),
                                          (MeshConfig(data=8, zero=1), 1),
                                          (MeshConfig(data=8, zero=2), 1)])
@@ -97,6 +97,7 @@ def test_accumulation_and_zero_on_images(mesh, accum, one_device):
     assert_tensors_close(params, one_device["vit"][1], TOL)
 
 
+@pytest.mark.contract
 def test_fsdp_gathers_each_block_by_hand():
     """fsdp=8 on the ViT: explicit gathers (real reduce-scatters on XLA CPU), its two
     blocks found as FSDP units, the parameters split 8 ways."""
@@ -161,6 +162,7 @@ def test_rule_that_names_nothing_warns_and_own_dims_work():
         build_setup(dataclasses.replace(config, rules=(("mlp", ("tensor",)),)), model=vit())
 
 
+@pytest.mark.contract
 def test_train_api_checkpoints_resume_and_restore_onto_another_mesh(tmp_path):
     """``shardlib.train`` on the user's data: examples/s (no tokens), a checkpoint, a
     resume that continues as if uninterrupted, and a restore onto another mesh."""

@@ -9,9 +9,7 @@ import shutil
 
 import jax
 import numpy as np
-import optax
 import pytest
-from flax import nnx
 
 import shardlib
 from shardlib.checkpoint import Checkpointer
@@ -20,26 +18,9 @@ from shardlib.config import CheckpointConfig, Config, MeshConfig, OptimConfig, T
 from shardlib.errors import ConfigError
 from shardlib.run import spike
 from shardlib.train.state import build_setup
-from tests.user_models import CLASSES, IMAGE, IMAGES, image_batch
+from tests.user_models import CLASSES, image_batch, linear
 
-
-class Linear(nnx.Module):
-    """The smallest classifier: a linear map of the flattened image (compiles in a blink)."""
-
-    def __init__(self, *, rngs: nnx.Rngs):
-        self.out = nnx.Linear(IMAGE * IMAGE * 3, CLASSES, rngs=rngs)
-
-    def __call__(self, images_bhwc: jax.Array) -> jax.Array:
-        return self.out(images_bhwc.reshape(images_bhwc.shape[0], -1))
-
-
-def classify(model: nnx.Module, batch: dict) -> tuple[jax.Array, dict]:
-    logits = model(batch["image"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean(), {}
-
-
-MODEL = shardlib.Model(build=lambda rngs: Linear(rngs=rngs), loss=classify, batch=IMAGES,
-                       name="linear")
+MODEL = linear()
 
 
 def poisoned(bad: range):

@@ -83,6 +83,17 @@ class DropoutMLP(nnx.Module):
         return self.out(self.drop(jax.nn.relu(self.up(x))))
 
 
+class Linear(nnx.Module):
+    """The smallest classifier: a linear map of the flattened image (compiles in a blink,
+    for tests of the loop rather than of sharding)."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.out = nnx.Linear(IMAGE * IMAGE * 3, CLASSES, rngs=rngs)
+
+    def __call__(self, images_bhwc: jax.Array) -> jax.Array:
+        return self.out(images_bhwc.reshape(images_bhwc.shape[0], -1))
+
+
 def classify(model: nnx.Module, batch: dict) -> tuple[jax.Array, dict]:
     """Mean cross-entropy over the rows, and the accuracy."""
     logits = model(batch["image"])
@@ -102,6 +113,11 @@ def vit(**kwargs) -> shardlib.Model:
 def convnet() -> shardlib.Model:
     return shardlib.Model(build=lambda rngs: ConvNet(rngs=rngs), loss=classify,
                           batch=IMAGES, name="convnet")
+
+
+def linear() -> shardlib.Model:
+    return shardlib.Model(build=lambda rngs: Linear(rngs=rngs), loss=classify,
+                          batch=IMAGES, name="linear")
 
 
 def dropout_mlp() -> shardlib.Model:

@@ -28,12 +28,21 @@ from shardlib.data.arrays import ArrayLoader, BatchSource
 from shardlib.distributed import main_print
 from shardlib.interop.hf import pretrained_state
 from shardlib.reporting import NullReporter, Reporter
-from shardlib.run import compile_cache, goodput, resume, signals, spike, startup, watchdog
+from shardlib.run import (
+    compile_cache,
+    fit,
+    goodput,
+    resume,
+    signals,
+    spike,
+    startup,
+    watchdog,
+)
 from shardlib.run.evaluation import eval_loss, eval_row, sample_text
 from shardlib.run.guards import Guards
 from shardlib.train import comm, nonfinite
 from shardlib.train.comm_policy import Adaptive
-from shardlib.train.state import TrainSetup, TrainState, init_state
+from shardlib.train.state import TrainSetup, TrainState, abstract_state, init_state
 from shardlib.train.step import make_train_step
 
 
@@ -143,6 +152,8 @@ def _open(setup: TrainSetup, source: Any, state: TrainState | None,
     if checkpointer is not None:
         exits.callback(checkpointer.close)
     result = TrainResult(state, setup)
+    fit.check_state(abstract_state(setup), list(setup.mesh.devices.flat),
+                    config.train.check_memory)
     state = _first_state(setup, state, checkpointer, result)
     setup, notes = resume.after_restore(setup, result.resumed_from)  # lr cut on resume
     result.setup = setup
@@ -273,6 +284,7 @@ def _run(setup: TrainSetup, state: TrainState, result: TrainResult, reporter: Re
     tick = time.perf_counter()
     step_fn = make_train_step(setup).lower(state, first).compile()
     compile_s = time.perf_counter() - tick
+    fit.check_step(step_fn, list(setup.mesh.devices.flat), tc.check_memory)
     timeline.lap("compile")
     _ = observer.peak  # a CPU peak is timed once (seconds): before the watchdog starts
     guards.watchdog.start(int(state.step))
