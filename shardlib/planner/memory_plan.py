@@ -1,0 +1,203 @@
+"""Memory verdicts for any model: each model-agnostic layout (``planner.tree``) of a
+device count, its per-device bytes against a budget, and a pick.
+
+The pick is the layout that moves the fewest bytes per step among those that fit
+(ties: the lower ZeRO stage, then less memory). Tensor layouts move activations too,
+which the parameter tree cannot count, so they come after every layout that needs no
+such traffic. An estimate within ``MEMORY_MARGIN`` of the budget is ``borderline``;
+with devices and a batch, layouts are compiled in the order of preference (nothing
+allocated) until one fits by ``compiled.memory_analysis()``, and that figure decides.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+from shardlib.analysis.hlo import comm_bytes_per_device, parse_collectives
+from shardlib.analysis.memory import compiled_memory, peak_of
+from shardlib.analysis.peak import PeakTerms
+from shardlib.config import Config
+from shardlib.contract import Model
+from shardlib.errors import ConfigError
+from shardlib.inspect import abstract_user_batch, compile_step
+from shardlib.planner.tree import (
+    Layout,
+    activation_row_bytes,
+    layout_problem,
+    layouts,
+    tree_figures,
+)
+from shardlib.planner.verdict import MEMORY_MARGIN, verdict
+from shardlib.train.state import abstract_state, build_setup
+from shardlib.units import format_bytes
+
+
+@dataclass
+class Verdict:
+    """One layout's per-device memory against the budget, and its traffic per step."""
+
+    layout: Layout
+    peak: PeakTerms  # the estimate's terms (``planner.tree``)
+    memory_bytes: int  # the estimate, or the compiled peak once compiled
+    comm_bytes: int
+    verdict: str  # fits | over | borderline
+    source: str = "analytic"  # or "compiled"
+    note: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.verdict in ("fits", "borderline")
+
+    @property
+    def line(self) -> str:
+        """``fsdp=8: 3.31 MiB per device (analytic), fits; moves 5.33 MiB/step``."""
+        return (f"{self.layout.key} [{self.layout.strategy}]: "
+                f"{format_bytes(self.memory_bytes)} per device ({self.source}), "
+                f"{self.verdict}; moves {format_bytes(self.comm_bytes)}/step"
+                + (f"; {self.note}" if self.note else ""))
+
+
+@dataclass
+class MemoryPlan:
+    """Every layout's verdict in the order of preference, those rejected, and the pick."""
+
+    config: Config
+    model: str
+    num_devices: int
+    budget_bytes: int
+    verdicts: list[Verdict]
+    rejected: list[tuple[Layout, str]]
+    why: str = ""
+    compiles: int = 0
+    elapsed_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Verdict | None:
+        """The first sure fit in the order of preference; a borderline one only when
+        nothing is sure to fit."""
+        sure = (v for v in self.verdicts if v.verdict == "fits")
+        return next(sure, next((v for v in self.verdicts if v.fits), None))
+
+    def lines(self) -> list[str]:
+        """The report for a person: the budget, every verdict, the pick and why."""
+        out = [f"model {self.model} on {self.num_devices} devices, budget "
+               f"{format_bytes(self.budget_bytes)} per device:"]
+        out += [f"  {v.line}" for v in self.verdicts]
+        out += [f"  rejected {layout.key}: {reason}" for layout, reason in self.rejected]
+        return out + [f"pick: {self.why}"] + self.notes
+
+
+def preference(v: Verdict) -> tuple:
+    """Sort key: layouts without tensor first, then fewer bytes moved, lower ZeRO, less
+    memory."""
+    return (v.layout.sizes["tensor"] > 1, v.comm_bytes, v.layout.zero, v.memory_bytes)
+
+
+def plan_model(config: Config, model: Model, num_devices: int, *, budget_bytes: int,
+               batch: Mapping[str, Any] | None = None,
+               devices: list[jax.Device] | None = None, compile_top: int = 3,
+               progress: Callable[[str], None] | None = None) -> MemoryPlan:
+    """Verdicts for ``model`` (a user's ``shardlib.Model``) on ``num_devices`` devices of
+    ``budget_bytes`` each. ``batch``: one batch of the model (arrays or shape structs; its
+    rows' shapes give the activation estimate, the rows come from ``train.batch_size``).
+    ``devices``: compile up to ``compile_top`` layouts there to confirm the pick."""
+    if budget_bytes <= 0:
+        raise ConfigError(f"plan: budget_bytes={budget_bytes}; give one device's memory in "
+                          "bytes, e.g. budget_bytes=16 * 2**30")
+    started = time.perf_counter()
+    row_bytes = activation_row_bytes(model, batch)
+    verdicts, rejected = [], []
+    for layout in layouts(num_devices):
+        reason = layout_problem(config, model, layout)
+        if reason:
+            rejected.append((layout, reason))
+            continue
+        figures = tree_figures(config, model, layout, row_bytes)
+        verdicts.append(Verdict(layout, figures.peak, figures.peak.total, figures.comm_bytes,
+                                verdict(figures.peak.total, budget_bytes, exact=False)))
+    verdicts.sort(key=preference)
+    result = MemoryPlan(config, model.name, num_devices, budget_bytes, verdicts, rejected)
+    if batch is None:
+        result.notes.append("no batch given: activations are not counted and nothing compiled")
+    elif _can_compile(devices, num_devices):
+        result.compiles = _confirm(config, model, result, batch, devices[:num_devices],
+                                   compile_top, progress)
+    result.why = why(result)
+    result.elapsed_s = time.perf_counter() - started
+    return result
+
+
+def _can_compile(devices: list[jax.Device] | None, num_devices: int) -> bool:
+    return devices is not None and len(devices) >= num_devices
+
+
+def _confirm(config: Config, model: Model, result: MemoryPlan, batch: Mapping[str, Any],
+             devices: list[jax.Device], top: int,
+             progress: Callable[[str], None] | None) -> int:
+    """Compile in the order of preference until one layout fits by its compiled peak
+    (at most ``top`` compiles); returns how many were compiled."""
+    done = 0
+    for v in result.verdicts:
+        if v.verdict == "over" or done >= top:
+            continue
+        if progress:
+            progress(f"compiling {v.layout.key}")
+        peak, comm = compiled_figures(config, model, v.layout, batch, devices)
+        done += 1
+        v.memory_bytes, v.source = peak, "compiled"
+        v.note = f"estimate {format_bytes(v.peak.total)}"
+        if v.layout.sizes["tensor"] > 1:
+            v.comm_bytes = comm  # the activations' traffic, which the tree cannot count
+        v.verdict = verdict(peak, result.budget_bytes, exact=True)
+        if v.fits:
+            break
+    result.verdicts.sort(key=preference)
+    return done
+
+
+def compiled_figures(config: Config, model: Model, layout: Layout,
+                     batch: Mapping[str, Any], devices: list[jax.Device]) -> tuple[int, int]:
+    """(peak bytes, bytes sent) per device of the train step of ``layout``, compiled from
+    abstract inputs (``memory_analysis()``; nothing allocated or run)."""
+    setup = build_setup(layout.apply(config), devices, model=model)
+    shapes = {k: jax.ShapeDtypeStruct((config.train.batch_size, *batch[k].shape[1:]),
+                                      batch[k].dtype) for k in model.batch}
+    compiled = compile_step(setup, abstract_state(setup), abstract_user_batch(setup, shapes),
+                            None)
+    peak = peak_of(compiled_memory(compiled), devices[0].platform) or 0
+    sent = comm_bytes_per_device(parse_collectives(compiled.as_text(), setup.mesh))
+    return peak, sent
+
+
+def why(result: MemoryPlan) -> str:
+    """The pick and the reason for it, or why there is none."""
+    best, budget = result.best, format_bytes(result.budget_bytes)
+    if best is None:
+        smallest = min(result.verdicts, key=lambda v: v.memory_bytes, default=None)
+        need = "" if smallest is None else (f"; the smallest, {smallest.layout.key}, needs "
+                                            f"{format_bytes(smallest.memory_bytes)}")
+        return f"none: no layout fits {budget} per device{need}"
+    fitting = [v for v in result.verdicts if v.fits]
+    over = [v for v in result.verdicts if preference(v) < preference(best) and not v.fits]
+    text = (f"{best.layout.key} ({best.layout.strategy}): the least traffic "
+            f"({format_bytes(best.comm_bytes)}/step) of the {len(fitting)} layouts that fit "
+            f"{budget} per device ({format_bytes(best.memory_bytes)}, {best.source})")
+    if over:
+        text += "; " + ", ".join(f"{v.layout.key} needs {format_bytes(v.memory_bytes)}"
+                                 for v in over[:3])
+    if best.verdict == "borderline":
+        text += f"; borderline: within {MEMORY_MARGIN:.0%} of the budget, not compiled"
+    return text
+
+
+def no_fit_error(result: MemoryPlan) -> ConfigError:
+    """``--mesh auto`` with nothing that fits: one error naming the budget and the fix."""
+    return ConfigError(f"--mesh auto on {result.num_devices} devices, model {result.model}: "
+                       f"{result.why}; use more devices, a smaller train.batch_size, "
+                       "train.grad_accum, or --remat full")
