@@ -25,14 +25,15 @@ from shardlib.config import Config
 from shardlib.contract import Model
 from shardlib.errors import ConfigError
 from shardlib.inspect import abstract_user_batch, compile_step
+from shardlib.planner.profiles import DeviceProfile
 from shardlib.planner.tree import (
     Layout,
     activation_row_bytes,
-    layout_problem,
+    figures_or_reason,
     layouts,
-    tree_figures,
 )
 from shardlib.planner.verdict import MEMORY_MARGIN, verdict
+from shardlib.target import Target
 from shardlib.train.state import abstract_state, build_setup
 from shardlib.units import format_bytes
 
@@ -114,11 +115,10 @@ def plan_model(config: Config, model: Model, num_devices: int, *, budget_bytes: 
     row_bytes = activation_row_bytes(model, batch)
     verdicts, rejected = [], []
     for layout in layouts(num_devices):
-        reason = layout_problem(config, model, layout)
-        if reason:
-            rejected.append((layout, reason))
+        figures = figures_or_reason(config, model, layout, row_bytes)
+        if isinstance(figures, str):
+            rejected.append((layout, figures))
             continue
-        figures = tree_figures(config, model, layout, row_bytes)
         verdicts.append(Verdict(layout, figures.peak, figures.peak.total, figures.comm_bytes,
                                 verdict(figures.peak.total, budget_bytes, exact=False)))
     verdicts.sort(key=preference)
@@ -131,6 +131,26 @@ def plan_model(config: Config, model: Model, num_devices: int, *, budget_bytes: 
     result.why = why(result)
     result.elapsed_s = time.perf_counter() - started
     return result
+
+
+def plan_for_model(config: Config, model: Model, num_devices: int | None,
+                   profile: DeviceProfile | None, target: Target | None,
+                   budget_bytes: int | None, batch: Mapping[str, Any] | None,
+                   devices: list[jax.Device] | None, compile_top: int,
+                   progress: Callable[[str], None] | None) -> MemoryPlan:
+    """``search.plan``'s arguments for a model known by its parameter tree: the budget
+    from ``budget_bytes``, the target's HBM or the profile's memory."""
+    if target is not None:
+        num_devices, devices = target.num_devices, target.devices()
+    if num_devices is None:
+        raise ConfigError(f"plan(model={model.name!r}): give num_devices (or a target)")
+    budget = budget_bytes or (target.hbm_bytes if target else profile and profile.memory_bytes)
+    if not budget:
+        raise ConfigError(f"plan(model={model.name!r}): give budget_bytes (one device's "
+                          "memory) or a profile / target whose memory is the budget")
+    devices = list(jax.devices() if devices is None else devices)
+    return plan_model(config, model, num_devices, budget_bytes=int(budget), batch=batch,
+                      devices=devices, compile_top=compile_top, progress=progress)
 
 
 def _can_compile(devices: list[jax.Device] | None, num_devices: int) -> bool:

@@ -45,7 +45,7 @@ from shardlib.planner.cost import (
     memory_traffic,
     predict,
 )
-from shardlib.planner.memory_plan import MemoryPlan, plan_model
+from shardlib.planner.memory_plan import MemoryPlan, plan_for_model
 from shardlib.planner.profiles import DeviceProfile, cache_dir, target_profile
 from shardlib.planner.space import MICROBATCHES, REMATS, Candidate, Rejected
 from shardlib.planner.switch import switch_bytes
@@ -293,8 +293,8 @@ def plan(config: Config, num_devices: int | None = None,
     started = time.perf_counter()
     target = parse_target(target) if isinstance(target, str) else target
     if model is not None and not model.has("planner"):
-        return _plan_model(config, model, num_devices, profile, target, budget_bytes, batch,
-                           devices, compile_top, progress)
+        return plan_for_model(config, model, num_devices, profile, target, budget_bytes,
+                              batch, devices, compile_top, progress)
     num_devices, profile, devices = _for_target(target, num_devices, profile, devices)
     budget = int(budget_bytes or (target.hbm_bytes if target else profile.memory_bytes))
     valid, rejected, notes = pipeline.search_space(config, num_devices, remats, microbatches,
@@ -316,25 +316,6 @@ def plan(config: Config, num_devices: int | None = None,
     rejected += [Rejected(s.candidate, s.note) for s in scored if s.verdict == "failed"]
     return Plan(config, num_devices, profile, budget, ranked, over, rejected,
                 time.perf_counter() - started, compiles, notes, target)
-
-
-def _plan_model(config: Config, model: Model, num_devices: int | None,
-                profile: DeviceProfile | None, target: Target | None,
-                budget_bytes: int | None, batch: Mapping[str, Any] | None,
-                devices: list[jax.Device] | None, compile_top: int,
-                progress: Callable[[str], None] | None) -> MemoryPlan:
-    """``plan`` for a model known by its parameter tree: memory verdicts per layout."""
-    if target is not None:
-        num_devices, devices = target.num_devices, target.devices()
-    if num_devices is None:
-        raise ConfigError(f"plan(model={model.name!r}): give num_devices (or a target)")
-    budget = budget_bytes or (target.hbm_bytes if target else profile and profile.memory_bytes)
-    if not budget:
-        raise ConfigError(f"plan(model={model.name!r}): give budget_bytes (one device's "
-                          "memory) or a profile / target whose memory is the budget")
-    devices = list(jax.devices() if devices is None else devices)
-    return plan_model(config, model, num_devices, budget_bytes=int(budget), batch=batch,
-                      devices=devices, compile_top=compile_top, progress=progress)
 
 
 def _for_target(target: Target | None, num_devices: int | None,

@@ -159,16 +159,17 @@ def _held(state: nnx.State, specs: Mapping[tuple, Any], sizes: Mapping[str, int]
                for path, var in nnx.to_flat_state(state))
 
 
-def layout_problem(config: Config, model: Model, layout: Layout) -> str | None:
-    """Why ``layout`` cannot run ``model`` (the batch, a weight, a rule); None if it can."""
+def figures_or_reason(config: Config, model: Model, layout: Layout,
+                      row_bytes: float = 0.0) -> TreeFigures | str:
+    """``tree_figures``, or why ``layout`` cannot run ``model`` (the batch, a weight, a
+    rule) in one line."""
     reason = batch_problem(config, layout)
     if reason:
         return reason
     try:
-        tree_figures(config, model, layout)
+        return tree_figures(config, model, layout, row_bytes)
     except ShardlibError as err:
         return str(err).split(";")[0]
-    return None
 
 
 # --------------------------------------------------------------------------- activations
