@@ -23,7 +23,7 @@ from shardlib.analysis.memory import compiled_memory, peak_of
 from shardlib.analysis.peak import PeakTerms
 from shardlib.config import Config
 from shardlib.contract import Model
-from shardlib.errors import ConfigError
+from shardlib.errors import ConfigError, OutOfMemoryError
 from shardlib.inspect import abstract_user_batch, compile_step
 from shardlib.planner.profiles import DeviceProfile
 from shardlib.planner.tree import (
@@ -56,10 +56,13 @@ class Verdict:
 
     @property
     def line(self) -> str:
-        """``fsdp=8: 3.31 MiB per device (analytic), fits; moves 5.33 MiB/step``."""
+        """``fsdp=8 [fsdp (ZeRO-3)]: 3.31 MiB per device (compiled), fits; moves 5.34
+        MiB/step; estimate 3.54 MiB`` (a tensor layout's estimate: ``+ activations``)."""
+        uncounted = self.layout.sizes["tensor"] > 1 and self.source == "analytic"
         return (f"{self.layout.key} [{self.layout.strategy}]: "
                 f"{format_bytes(self.memory_bytes)} per device ({self.source}), "
                 f"{self.verdict}; moves {format_bytes(self.comm_bytes)}/step"
+                + (" + activations" if uncounted else "")
                 + (f"; {self.note}" if self.note else ""))
 
 
@@ -80,10 +83,11 @@ class MemoryPlan:
 
     @property
     def best(self) -> Verdict | None:
-        """The first sure fit in the order of preference; a borderline one only when
-        nothing is sure to fit."""
-        sure = (v for v in self.verdicts if v.verdict == "fits")
-        return next(sure, next((v for v in self.verdicts if v.fits), None))
+        """The first fit in the order of preference: one without tensor before one with
+        (whose activation traffic is uncounted), and a sure fit before a borderline one."""
+        fitting = (v for v in self.verdicts if v.fits)
+        return min(fitting, default=None, key=lambda v: (v.layout.sizes["tensor"] > 1,
+                                                          v.verdict != "fits"))
 
     def lines(self) -> list[str]:
         """The report for a person: the budget, every verdict, the pick and why."""
@@ -168,8 +172,12 @@ def _confirm(config: Config, model: Model, result: MemoryPlan, batch: Mapping[st
             continue
         if progress:
             progress(f"compiling {v.layout.key}")
-        peak, comm = compiled_figures(config, model, v.layout, batch, devices)
         done += 1
+        try:
+            peak, comm = compiled_figures(config, model, v.layout, batch, devices)
+        except OutOfMemoryError as err:  # a target's compiler found no room: over
+            v.verdict, v.source, v.note = "over", "compiled", f"the compiler: {err}"[:200]
+            continue
         v.memory_bytes, v.source = peak, "compiled"
         v.note = f"estimate {format_bytes(v.peak.total)}"
         if v.layout.sizes["tensor"] > 1:
@@ -204,13 +212,20 @@ def why(result: MemoryPlan) -> str:
                                             f"{format_bytes(smallest.memory_bytes)}")
         return f"none: no layout fits {budget} per device{need}"
     fitting = [v for v in result.verdicts if v.fits]
-    over = [v for v in result.verdicts if preference(v) < preference(best) and not v.fits]
-    text = (f"{best.layout.key} ({best.layout.strategy}): the least traffic "
-            f"({format_bytes(best.comm_bytes)}/step) of the {len(fitting)} layouts that fit "
-            f"{budget} per device ({format_bytes(best.memory_bytes)}, {best.source})")
-    if over:
+    passed = [v for v in result.verdicts if preference(v) < preference(best)]
+    tensor = best.layout.sizes["tensor"] > 1
+    text = (f"{best.layout.key} ({best.layout.strategy}): the least "
+            f"{'weight ' if tensor else ''}traffic ({format_bytes(best.comm_bytes)}/step"
+            f"{' + activations' if tensor and best.source == 'analytic' else ''}) of the "
+            f"{len(fitting)} layouts that fit {budget} per device "
+            f"({format_bytes(best.memory_bytes)}, {best.source})")
+    if passed:
         text += "; " + ", ".join(f"{v.layout.key} needs {format_bytes(v.memory_bytes)}"
-                                 for v in over[:3])
+                                 + (" (borderline, not compiled)" if v.fits else "")
+                                 for v in passed[:3])
+    if not tensor and any(v.layout.sizes["tensor"] > 1 for v in fitting):
+        text += ("; tensor layouts rank after those without (their activation traffic is "
+                 "not in the parameter tree)")
     if best.verdict == "borderline":
         text += f"; borderline: within {MEMORY_MARGIN:.0%} of the budget, not compiled"
     return text

@@ -58,10 +58,10 @@ class Layout:
 
     @property
     def strategy(self) -> str:
-        """In words: ``data x fsdp (ZeRO-3)``, ``data (ZeRO-1)``, ``tensor``..."""
-        names = [{"fsdp": "fsdp (ZeRO-3)"}.get(a, a) for a, n in self.degrees if n > 1]
-        text = " x ".join(names) or "one device"
-        return text + (f" (ZeRO-{self.zero} over data)" if self.zero else "")
+        """In words: ``fsdp (ZeRO-3)``, ``data x fsdp``, ``data, ZeRO-1``, ``tensor``..."""
+        text = " x ".join(a for a, n in self.degrees if n > 1) or "one device"
+        text = "fsdp (ZeRO-3)" if text == "fsdp" else text
+        return text + (f", ZeRO-{self.zero}" if self.zero else "")
 
     def apply(self, config: Config) -> Config:
         """``config`` on this layout (every other mesh axis 1, ``auto`` off)."""
