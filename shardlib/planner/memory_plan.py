@@ -4,9 +4,10 @@ device count, its per-device bytes against a budget, and a pick.
 The pick is the layout that moves the fewest bytes per step among those that fit
 (ties: the lower ZeRO stage, then less memory). Tensor layouts move activations too,
 which the parameter tree cannot count, so they come after every layout that needs no
-such traffic. An estimate within ``MEMORY_MARGIN`` of the budget is ``borderline``;
-with devices and a batch, layouts are compiled in the order of preference (nothing
-allocated) until one fits by ``compiled.memory_analysis()``, and that figure decides.
+such traffic. An estimate within ``MEMORY_MARGIN`` of the budget is ``borderline`` (a
+sure fit is picked before it); with devices and a batch, layouts are compiled in the
+order of preference (nothing allocated) until one fits by ``compiled.memory_analysis()``,
+and that figure decides.
 """
 
 from __future__ import annotations
