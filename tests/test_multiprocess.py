@@ -4,7 +4,8 @@ launcher; bad flags fail fast with one clear line.
 
 The 1 x 8 references run in this (8-device) test process with the same CLI flags. The
 launched runs are subprocesses, so each costs two JAX start-ups and compiles: keep their
-number small (3 training runs, 1 run killed at start-up, 1 watchdog start-up).
+number small (3 training runs, 1 run killed at start-up, 1 watchdog start-up, and one
+user's model trained and resumed through ``shardlib.train``: about 165 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -148,6 +149,40 @@ def test_checkpoint_moves_between_2x4_and_1x8(corpus, fsdp_run, references, tmp_
                              .restore(setup5, step=3))
     assert len(resumed_losses) == 2  # steps 4 and 5
     np.testing.assert_allclose(resumed_losses, continued, rtol=TOL)
+
+
+def test_user_model_two_processes_train_and_resume_like_one(tmp_path):
+    """The ViT of ``tests/user_models.py`` through ``shardlib.train(config, model=...,
+    data=...)`` in 2 processes x 4 devices (each reading its half of every batch): 2
+    steps with a checkpoint, then a resume to step 4, equal to 4 uninterrupted steps in
+    this process on 8 devices; the 2 x 4 run's last checkpoint restores onto 1 x 8 as
+    that run's state."""
+    import shardlib
+    from tests import multiprocess_user as user
+    from tests.user_models import image_batch, vit
+
+    port = _closed_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4",
+               XLA_FLAGS=re.sub(r"--xla_force_host_platform_device_count=\S+", "",
+                                os.environ.get("XLA_FLAGS", "")))
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.multiprocess_user", str(port),
+                               str(i), str(tmp_path)], env=env, cwd=Path(__file__).parent.parent,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in (0, 1)]
+    outs = [p.communicate(timeout=RUN_TIMEOUT_S)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    ran = [json.loads((tmp_path / f"losses-{i}.json").read_text()) for i in (0, 1)]
+    whole = shardlib.train(user.config(user.STEPS), model=vit(), data=image_batch,
+                           devices=jax.devices()[:8])
+    want = [row["loss"] for row in whole.history]
+    for got in ran:
+        assert got["resumed_from"] == 2
+        np.testing.assert_allclose(got["losses"], want, rtol=TOL)
+    restored = Checkpointer(tmp_path / "ckpt", read_only=True).restore(whole.setup)
+    assert int(restored.step) == user.STEPS
+    mine, theirs = host_params(whole.state), host_params(restored)
+    worst = max(mine, key=lambda p: relative_error(theirs[p], mine[p]))
+    assert relative_error(theirs[worst], mine[worst]) <= TOL, worst
 
 
 def _alive(pid: int) -> bool:

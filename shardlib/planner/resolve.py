@@ -3,12 +3,15 @@ for the devices it will run on."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 
 from shardlib.config import Config
+from shardlib.contract import Model
 from shardlib.errors import ConfigError
+from shardlib.planner.memory_plan import no_fit_error, plan_model
 from shardlib.planner.profiles import DeviceProfile, get_profile
 from shardlib.planner.report import no_pick_reason, train_command
 from shardlib.planner.search import plan
@@ -38,13 +41,18 @@ def device_budget(device: jax.Device, profile: DeviceProfile) -> int:
 
 def resolve_auto(config: Config, devices: list[jax.Device] | None = None, *,
                  profile: DeviceProfile | None = None, compile_top: int = 2,
-                 log: Callable[[str], None] = print) -> Config:
+                 log: Callable[[str], None] = print, model: Model | None = None,
+                 batch: Mapping[str, Any] | None = None) -> Config:
     """``config`` unchanged unless ``config.mesh.auto``; then the plan's pick applied
-    (``profile``: default the devices' own; ``compile_top``: candidates compiled)."""
+    (``profile``: default the devices' own; ``compile_top``: candidates compiled).
+    ``model`` without the ``planner`` capability: the layout its memory verdicts pick
+    (``planner.memory_plan``; ``batch``: one batch of it, for the activations)."""
     if not config.mesh.auto:
         return config
     devices = list(jax.devices() if devices is None else devices)
     profile = profile or profile_for(devices[0])
+    if model is not None and not model.has("planner"):
+        return _resolve_model(config, model, devices, profile, batch, compile_top, log)
     result = plan(config, len(devices), profile, devices=devices, compile_top=compile_top,
                   budget_bytes=device_budget(devices[0], profile))
     if result.best is None:
@@ -54,3 +62,16 @@ def resolve_auto(config: Config, devices: list[jax.Device] | None = None, *,
     log(f"mesh auto: picked {best.candidate.key} of {len(result.ranked)} candidates "
         f"(predicted {best.estimate.step_s * 1e3:.1f} ms/step; {train_command(result, best)})")
     return best.candidate.apply(config)
+
+
+def _resolve_model(config: Config, model: Model, devices: list[jax.Device],
+                   profile: DeviceProfile, batch: Mapping[str, Any] | None,
+                   compile_top: int, log: Callable[[str], None]) -> Config:
+    """The layout of ``model``'s memory plan on ``devices`` applied to ``config``."""
+    result = plan_model(config, model, len(devices), batch=batch, devices=devices,
+                        budget_bytes=device_budget(devices[0], profile),
+                        compile_top=compile_top)
+    if result.best is None:
+        raise no_fit_error(result)
+    log(f"mesh auto: {result.why}")
+    return result.best.layout.apply(config)

@@ -28,6 +28,7 @@ import jax
 from shardlib.analysis.hlo import parse_collectives
 from shardlib.analysis.memory import compiled_memory, peak_of, state_bytes
 from shardlib.config import Config, to_dict
+from shardlib.contract import Model
 from shardlib.errors import ConfigError, OutOfMemoryError
 from shardlib.inspect import abstract_batch, compile_step
 from shardlib.mesh import MESH_AXES
@@ -44,16 +45,15 @@ from shardlib.planner.cost import (
     memory_traffic,
     predict,
 )
+from shardlib.planner.memory_plan import MemoryPlan, plan_for_model
 from shardlib.planner.profiles import DeviceProfile, cache_dir, target_profile
 from shardlib.planner.space import MICROBATCHES, REMATS, Candidate, Rejected
 from shardlib.planner.switch import switch_bytes
+from shardlib.planner.verdict import MEMORY_MARGIN, verdict  # noqa: F401 - search.verdict
 from shardlib.precision import resolve as resolve_policy
 from shardlib.target import Target, parse_target
 from shardlib.train.pipeline_theory import executed
 from shardlib.train.state import abstract_state, build_setup
-
-MEMORY_MARGIN = 0.3
-"""How far the analytic memory estimate may be off before a verdict needs a compile."""
 
 FAST_CPU_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 """XLA CPU options for planning compiles: LLVM effort only, same HLO and memory figures."""
@@ -101,15 +101,6 @@ class Plan:
         when nothing is sure to fit."""
         sure = (s for s in self.ranked if s.verdict == "fits")
         return next(sure, self.ranked[0] if self.ranked else None)
-
-
-def verdict(memory_bytes: int, budget: int, exact: bool, margin: float = MEMORY_MARGIN) -> str:
-    """``fits`` / ``over`` / ``borderline`` (an estimate within the margin of the budget)."""
-    if exact:
-        return "fits" if memory_bytes <= budget else "over"
-    if memory_bytes * (1 + margin) <= budget:
-        return "fits"
-    return "over" if memory_bytes > budget * (1 + margin) else "borderline"
 
 
 class Dtypes(NamedTuple):
@@ -281,7 +272,9 @@ def plan(config: Config, num_devices: int | None = None,
          devices: list[jax.Device] | None = None, compile_top: int = 4,
          compile_budget_s: float = 40.0, persist_cache: bool = True,
          from_mesh: Mapping[str, int] | None = None, cache: CompileCache | None = None,
-         progress: Callable[[str], None] | None = None, with_pipeline: bool = True) -> Plan:
+         progress: Callable[[str], None] | None = None, with_pipeline: bool = True,
+         model: Model | None = None, batch: Mapping[str, Any] | None = None,
+         ) -> Plan | MemoryPlan:
     """Rank every valid candidate for ``config`` on ``num_devices`` devices of ``profile``.
 
     ``target`` (``v5p-128``, ``h100x8``, ...): plan for that slice or node instead: its
@@ -291,9 +284,17 @@ def plan(config: Config, num_devices: int | None = None,
     every figure stays analytic. ``from_mesh``: degrees the train state lives on now;
     each candidate is priced for the switch. ``with_pipeline``: search pipeline x tensor
     candidates too (``planner.pipeline``).
+
+    ``model``: a user's ``shardlib.Model``; without the ``planner`` capability (the GPT's
+    time model) the plan is its memory verdicts (``planner.memory_plan``): each layout of
+    data, fsdp, ZeRO and tensor against the budget, with ``batch`` (one batch of it) for
+    the activations and the compiles that confirm the pick.
     """
     started = time.perf_counter()
     target = parse_target(target) if isinstance(target, str) else target
+    if model is not None and not model.has("planner"):
+        return plan_for_model(config, model, num_devices, profile, target, budget_bytes,
+                              batch, devices, compile_top, progress)
     num_devices, profile, devices = _for_target(target, num_devices, profile, devices)
     budget = int(budget_bytes or (target.hbm_bytes if target else profile.memory_bytes))
     valid, rejected, notes = pipeline.search_space(config, num_devices, remats, microbatches,

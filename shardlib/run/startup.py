@@ -9,8 +9,8 @@ from typing import Any
 
 import jax
 
-from shardlib import contract, observe
 from shardlib import data as data_lib
+from shardlib import observe
 from shardlib.checkpoint import check_path
 from shardlib.config import Config
 from shardlib.config_check import check_ranges, check_seq_len
@@ -36,9 +36,8 @@ def preflight(config: Config, devices: list[jax.Device] | None, model: Model | N
     observe.check(config.train)
     if config.checkpoint.dir:
         check_path(config.checkpoint.dir)
-    if config.mesh.auto:  # `--mesh auto`: the planner picks mesh, remat and microbatches
-        contract.resolve(config, model).require("planner", "--mesh auto")
-        config = resolve_auto(config, devices)
+    if config.mesh.auto:  # `--mesh auto`: the planner picks the mesh (a user's model: by memory)
+        config = resolve_auto(config, devices, model=model, batch=first_batch(data))
     if model is not None:
         if data is None:
             raise ConfigError(f"train(model={model.name!r}): give its data too, data= a "
@@ -47,6 +46,12 @@ def preflight(config: Config, devices: list[jax.Device] | None, model: Model | N
     check_seq_len(config)
     source = data_lib.open_source(config)  # bad data or tokenizer fails before compiling
     return config, source, build_setup(config, devices)
+
+
+def first_batch(data: Any) -> Any:
+    """Batch 0 of a user's ``data`` when it is a function of the index (its rows' shapes
+    give the planner's activation estimate); None for an iterable, which is not consumed."""
+    return data(0) if callable(data) else None
 
 
 def warn_schedule_change(saved: dict[str, Any], config: Config, step: int) -> None:
