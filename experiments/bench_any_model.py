@@ -11,7 +11,7 @@ Two figures, each measured side by side in one run:
 2. Memory: the compiled per-device peak of FSDP at 10 blocks / data parallelism's, on
    XLA CPU and (``--target``) on the TPU or GPU compiler.
 
-    python experiments/bench_any_model.py [--rounds 10] [--target v5litepod-8]
+    python experiments/bench_any_model.py [--rounds 10] [--remat none full] [--target v5litepod-8]
     python experiments/bench_any_model.py --memory-only --target h100x8 --out ...  # gpu extra
 """
 
@@ -159,7 +159,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--target", nargs="*", default=[])
     parser.add_argument("--memory-only", action="store_true", help="skip the step timings")
-    parser.add_argument("--remat", default="none", help="the memory rows' model.remat")
+    parser.add_argument("--remat", nargs="+", default=["none"],
+                        help="the memory rows' model.remat (one row per policy)")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     setup_devices(8)
@@ -171,15 +172,16 @@ def main() -> None:
         print(f"{row['mesh']:>7}: shardlib {row['shardlib_s'] * 1e3:.1f} ms, hand-written "
               f"{row['hand_written_s'] * 1e3:.1f} ms, ratio {row['ratio']:.3f}")
     for target in ([] if args.memory_only and args.target else [None]) + args.target:
-        dp, fsdp = (peak(mesh, args.depth, args.batch, args.width, target, args.remat)
-                    for mesh in ("data=8", "fsdp=8"))
-        row = {"target": target or "cpu", "depth": args.depth, "width": args.width,
-               "batch": args.batch, "remat": args.remat, "dp_peak": dp,
-               "fsdp_peak": fsdp, "ratio": fsdp / dp}
-        out["memory"].append(row)
-        print(f"{row['target']:>12}: peak per device, {args.depth} blocks, remat {args.remat}: "
-              f"data=8 {dp / 2**20:.1f} "
-              f"MiB, fsdp=8 {fsdp / 2**20:.1f} MiB, fsdp / data {row['ratio']:.3f}")
+        for remat in args.remat:
+            dp, fsdp = (peak(mesh, args.depth, args.batch, args.width, target, remat)
+                        for mesh in ("data=8", "fsdp=8"))
+            row = {"target": target or "cpu", "depth": args.depth, "width": args.width,
+                   "batch": args.batch, "remat": remat, "dp_peak": dp,
+                   "fsdp_peak": fsdp, "ratio": fsdp / dp}
+            out["memory"].append(row)
+            print(f"{row['target']:>12}: peak per device, {args.depth} blocks, remat {remat}: "
+                  f"data=8 {dp / 2**20:.1f} MiB, fsdp=8 {fsdp / 2**20:.1f} MiB, "
+                  f"fsdp / data {row['ratio']:.3f}")
     Path(args.out).parent.mkdir(exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
 

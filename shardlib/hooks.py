@@ -28,6 +28,7 @@ import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,7 @@ GATHERED = "fsdp_gathered"  # checkpoint name of a weight gathered for one unit'
 class WeightGather:
     """How the active strategy turns a unit's weight shards into whole weights."""
 
-    gather: Callable[[nnx.State], nnx.State]
+    gather: Callable[..., nnx.State]  # (state, after) -> whole weights
     reshard_after_forward: bool
 
 
@@ -49,7 +50,7 @@ _WEIGHTS: contextvars.ContextVar[WeightGather | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def gathering_weights(gather: Callable[[nnx.State], nnx.State], *,
+def gathering_weights(gather: Callable[..., nnx.State], *,
                       reshard_after_forward: bool) -> Iterator[None]:
     """Within this block (while tracing) ``gather_weights`` runs ``gather``."""
     token = _WEIGHTS.set(WeightGather(gather, reshard_after_forward))
@@ -59,10 +60,12 @@ def gathering_weights(gather: Callable[[nnx.State], nnx.State], *,
         _WEIGHTS.reset(token)
 
 
-def gather_weights(state: nnx.State) -> nnx.State:
-    """One FSDP unit's whole weights (the state itself when no strategy gathers)."""
+def gather_weights(state: nnx.State, after: Any = ()) -> nnx.State:
+    """One FSDP unit's whole weights (the state itself when no strategy gathers).
+    ``after``: the unit's inputs (any pytree), which the gather may be made to wait for,
+    so that a compiler does not run every unit's gather at the start of the step."""
     active = _WEIGHTS.get()
-    return state if active is None else active.gather(state)
+    return state if active is None else active.gather(state, after)
 
 
 def regathering() -> bool:

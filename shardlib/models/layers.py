@@ -456,7 +456,7 @@ def run_unit(module: nnx.Module, x: jax.Array, policy: str) -> jax.Array:
     graphdef, state = nnx.split(module)
 
     def unit(state: nnx.State, x: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, hooks.gather_weights(state))(x)
+        return nnx.merge(graphdef, hooks.gather_weights(state, x))(x)
 
     return remat_unit(unit, policy)(state, x)
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
@@ -95,7 +96,7 @@ def weight_gatherer(rules: Rules, sizes: Mapping[str, int],
     backward (``pcast``'s transpose), not for the whole model after the layer scan."""
     cpu = compute_platform() == "cpu"
 
-    def one(var: nnx.Variable) -> nnx.Variable:
+    def one(var: nnx.Variable, zero: jax.Array | None) -> nnx.Variable:
         value = jax.lax.pcast(var[...], replicas, to="varying") if replicas else var[...]
         if not isinstance(var, nnx.Param):  # model state (a router bias): as it is
             return var.replace(value=value)
@@ -106,10 +107,38 @@ def weight_gatherer(rules: Rules, sizes: Mapping[str, int],
         if dim is None:
             return var.replace(value=cast(value))
         gather = lambda x: jax.lax.all_gather(x, "fsdp", axis=dim, tiled=True)
-        whole = cast(gather(value)) if cpu else gather(cast(value))
+        whole = cast(gather(waits_for(value, zero))) if cpu else gather(cast(value))
         return var.replace(value=checkpoint_name(whole, hooks.GATHERED))
 
-    return lambda tree: jax.tree.map(one, tree, is_leaf=_is_variable)
+    def gatherer(tree: Any, after: Any = ()) -> Any:
+        zero = ordering_zero(after) if cpu else None
+        return jax.tree.map(lambda var: one(var, zero), tree, is_leaf=_is_variable)
+
+    return gatherer
+
+
+def ordering_zero(after: Any) -> jax.Array | None:
+    """A zero computed from ``after``'s first float leaf (one element of it): adding it
+    to a weight shard makes the shard's gather wait until ``after`` exists. XLA CPU's
+    scheduler otherwise runs every unrolled unit's gather at the start of the step, and
+    every unit's gathered weights are alive at once (docs/results/any-model.md). XLA
+    drops ``lax.optimization_barrier`` before scheduling: only data orders it. No
+    gradient flows through it; a non-finite element counts as 0."""
+    floats = [x for x in jax.tree.leaves(after)
+              if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact) and x.size]
+    if not floats:
+        return None
+    first = floats[0].reshape(-1)[0]
+    return jax.lax.stop_gradient(jnp.where(jnp.isfinite(first), first, 0) * 0)
+
+
+def waits_for(value: jax.Array, zero: jax.Array | None) -> jax.Array:
+    """``value + zero`` (the same values, ordered after ``zero``'s source) where ``zero``
+    varies over no manual axis that ``value`` does not (else the add would make the
+    shard vary more, and its gradient be summed there): ``value`` otherwise."""
+    if zero is None or not (jax.typeof(zero).mat.varying <= jax.typeof(value).mat.varying):
+        return value
+    return value + zero.astype(value.dtype)
 
 
 def casts_before_loss(replicas: tuple[str, ...]) -> bool:

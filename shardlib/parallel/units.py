@@ -62,7 +62,7 @@ class GatheredUnit(nnx.Module):
 
         def run(params: nnx.State, rest: nnx.State, arrays: dict, *args: Any
                 ) -> tuple[Any, nnx.State]:
-            unit = nnx.merge(graphdef, hooks.gather_weights(params), rest)
+            unit = nnx.merge(graphdef, hooks.gather_weights(params, (args, arrays)), rest)
             out = unit(*args, **arrays, **static)
             return out, nnx.state(unit, nnx.Not(nnx.Param))
 
