@@ -194,9 +194,11 @@ class AttentionConfig:
     """How attention splits over the ``sequence`` axis (``shardlib.parallel.context``) and
     which kernel computes it locally (``shardlib.models.attention``)."""
 
-    # none: XLA's partitioner gathers K/V | ring: K/V blocks passed around a ring (zig-zag
-    # causal balancing) | ulysses: all-to-all to head-split | allgather: gather K/V by hand
-    context_parallel: str = "none"
+    # auto: none where XLA's partitioner may run attention, else (pipeline stages) ulysses
+    # when the heads split over sequence, or allgather | none: XLA's partitioner gathers K/V
+    # | ring: K/V blocks passed around a ring (zig-zag causal balancing) | ulysses:
+    # all-to-all to head-split | allgather: gather K/V by hand
+    context_parallel: str = "auto"
     # The local kernel (shardlib.models.attention): xla (textbook, O(T^2) scores) | chunked
     # (flash-style online softmax, O(T * chunk) memory) | cudnn (GPU, bf16/fp16) | splash
     # (TPU Pallas kernel) | auto, the default (cudnn on GPU in bf16/fp16, splash on TPU for

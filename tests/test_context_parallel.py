@@ -150,7 +150,7 @@ def test_cli_override_selects_method():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["attention.context_parallel=zigzag"], "use one of none, ring, ulysses, allgather"),
+    (["attention.context_parallel=zigzag"], "use one of auto, none, ring, ulysses, allgather"),
     (["attention.context_parallel=ulysses", "model.num_heads=2"],
      "2 heads per device, not divisible by sequence=4"),
     (["attention.context_parallel=ring", "train.seq_len=36"], "pick a multiple of 8"),

@@ -311,8 +311,6 @@ def test_cli_selects_pipeline():
      r"pipeline.microbatches=2 < pipeline=4"),
     (MeshConfig(data=2, pipeline=4), {"microbatches": 5},
      "train.batch_size=32 does not split into pipeline.microbatches=5"),
-    (MeshConfig(data=1, sequence=2, pipeline=4), {},
-     "context_parallel=none with pipeline=4 and sequence=2"),
     (MeshConfig(data=2, pipeline=4), {"schedule": "zb"}, "pipeline.schedule='zb'"),
     (MeshConfig(data=4, pipeline=2), {"virtual": 2},
      "pipeline.virtual_stages=2 with pipeline.schedule=1f1b: .* set pipeline.schedule="),

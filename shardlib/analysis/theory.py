@@ -27,7 +27,7 @@ from fractions import Fraction
 from shardlib.config import Config, ModelConfig
 from shardlib.models.moe import capacity
 from shardlib.parallel import tensor
-from shardlib.parallel.context import attention_comm_blocks
+from shardlib.parallel.context import attention_comm_blocks, resolve_method
 
 ACT_BYTES = 4  # activations and their gradients are fp32 in the model
 PARAM_BYTES = 4  # parameters are fp32
@@ -273,6 +273,7 @@ def context_terms(g: Geometry, method: str) -> list[Term]:
     ``2 x 4 a_q`` zig-zag reorder (``2 x 2 a_q`` for S=2); ulysses ``2 x 4 (S-1)/S a_q``
     all-to-all; allgather the same all-gather + reduce-scatter as XLA's own."""
     s, layers, ax = g.n("sequence"), g.model.num_layers, ("sequence",)
+    method = resolve_method(method, sizes=g.sizes, num_heads=g.model.num_heads)
     if s == 1 or method in ("none", "allgather"):
         return sequence_terms(g)
     a_q = g.act / g.n("tensor")

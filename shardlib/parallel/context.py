@@ -41,8 +41,9 @@ from shardlib.errors import ConfigError, ShardingError
 from shardlib.models import attention, flash
 
 AXIS = "sequence"
-METHODS: tuple[str, ...] = ("none", "ring", "ulysses", "allgather")
-"""``none`` leaves attention to XLA's partitioner (it all-gathers K/V on its own)."""
+METHODS: tuple[str, ...] = ("auto", "none", "ring", "ulysses", "allgather")
+"""``none`` leaves attention to XLA's partitioner (it all-gathers K/V on its own);
+``auto`` (the default) picks one that works for the mesh (``resolve_method``)."""
 
 Stats = tuple[jax.Array, jax.Array]  # (o_bthk normalised, lse_bth): one block's rows, fp32
 
@@ -83,12 +84,33 @@ def check_method(method: str) -> None:
         )
 
 
+def resolve_method(method: str, *, sizes: dict[str, int], num_heads: int | None) -> str:
+    """The method ``method`` means on this mesh (``auto``'s pick; others are themselves):
+    ``none`` where XLA's partitioner may run attention; inside pipeline stages, which run
+    it by hand, Ulysses when the heads per tensor shard split over ``sequence`` (fewer
+    bytes), else the all-gather (ring's permute cannot run in a stage's tick)."""
+    n = sizes.get(AXIS, 1)
+    if method != "auto":
+        return method
+    if n == 1 or sizes.get("pipeline", 1) == 1:
+        return "none"
+    heads = None if num_heads is None else num_heads // sizes.get("tensor", 1)
+    return "ulysses" if heads is not None and heads % n == 0 else "allgather"
+
+
+def auto_note(method: str, sizes: dict[str, int]) -> str:
+    """The one start-up line saying what ``auto`` picked, and how to choose otherwise."""
+    mesh = " x ".join(f"{a}={sizes[a]}" for a in ("pipeline", AXIS) if sizes.get(a, 1) > 1)
+    return (f"attention.context_parallel=auto chose {method} for {mesh}; set "
+            "attention.context_parallel=none|ring|ulysses|allgather to choose")
+
+
 def check_context_parallel(method: str, *, sizes: dict[str, int], num_heads: int,
                            seq_len: int) -> None:
     """Raise before compiling if ``method`` cannot split this model over ``sequence``."""
     check_method(method)
     n, t = sizes.get(AXIS, 1), sizes.get("tensor", 1)
-    if n == 1 or method == "none":
+    if n == 1 or method in ("none", "auto"):
         return
     if method == "ulysses" and (num_heads // t) % n:
         raise ConfigError(
@@ -106,7 +128,7 @@ def check_context_parallel(method: str, *, sizes: dict[str, int], num_heads: int
 def active_method() -> str | None:
     """The method to use here, or None when attention should stay on the plain path."""
     method, active = _METHOD.get(), sharding.active_rules()
-    if method == "none" or active is None or dict(active[0].shape).get(AXIS, 1) == 1:
+    if method in ("none", "auto") or active is None or dict(active[0].shape).get(AXIS, 1) == 1:
         return None
     return method
 

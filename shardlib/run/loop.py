@@ -157,7 +157,7 @@ def _open(setup: TrainSetup, source: Any, state: TrainState | None,
     state = _first_state(setup, state, checkpointer, result)
     setup, notes = resume.after_restore(setup, result.resumed_from)  # lr cut on resume
     result.setup = setup
-    for note in notes:
+    for note in (*setup.notes, *notes):
         main_print(f"shardlib train: {note}", file=sys.stderr, flush=True)
     loader = _loader(setup, source, state, checkpointer, result.resumed_from, loader)
     exits.callback(loader.close)

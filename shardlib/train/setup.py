@@ -55,6 +55,7 @@ class TrainSetup:
     grad_shardings: nnx.State  # = param shardings, or split over `data` too under ZeRO-2
     policy: Policy
     model: Model  # the contract: module factory, loss, batch layout, capabilities
+    notes: tuple[str, ...] = ()  # start-up lines: what an ``auto`` option picked
 
     @property
     def sizes(self) -> dict[str, int]:

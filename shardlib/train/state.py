@@ -4,6 +4,7 @@ and sharded initialisation that never builds the full model on one device.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -24,7 +25,7 @@ from shardlib.mesh import MESH_AXES, capability_of, make_mesh, platform_of, reso
 from shardlib.models import check_model
 from shardlib.models.attention import check_kernel
 from shardlib.models.moe import check_moe
-from shardlib.parallel.context import check_context_parallel
+from shardlib.parallel.context import auto_note, check_context_parallel, resolve_method
 from shardlib.parallel.units import find_units
 from shardlib.precision import LossScale
 from shardlib.precision import resolve as resolve_policy
@@ -132,6 +133,7 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None, *,
     policy = resolve_policy(config.precision, platform_of(devices))
     mesh = make_mesh(mesh_degrees(config, len(devices)), devices)
     sizes = dict(mesh.shape)
+    config, notes = resolve_context_parallel(config, sizes, model)
     check_capabilities(config, sizes, model)
     if model.has("planner"):
         check_builtin(config, sizes, mesh)
@@ -164,14 +166,29 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None, *,
                               param_specs(abstract_rest, rules, sizes), mesh))
     return TrainSetup(config, mesh, rules, graphdef, abstract_params, tx, state_sh,
                       batch_sharding(config, mesh, rules, model),
-                      zero_sh if config.mesh.zero == 2 else param_sh, policy, model)
+                      zero_sh if config.mesh.zero == 2 else param_sh, policy, model, notes)
+
+
+def resolve_context_parallel(config: Config, sizes: dict[str, int], model: Model
+                             ) -> tuple[Config, tuple[str, ...]]:
+    """``config`` with ``attention.context_parallel=auto`` replaced by its pick (``none``
+    for a model without the capability), and the start-up line saying so on a
+    ``sequence`` mesh."""
+    method = config.attention.context_parallel
+    if method != "auto":
+        return config, ()
+    heads = config.model.num_heads if model.has("planner") else None
+    picked = resolve_method(method, sizes=sizes, num_heads=heads) \
+        if model.has("context_parallel") else "none"
+    config = replace(config, attention=replace(config.attention, context_parallel=picked))
+    return config, (auto_note(picked, sizes),) if sizes.get("sequence", 1) > 1 else ()
 
 
 def check_capabilities(config: Config, sizes: dict[str, int], model: Model) -> None:
     """One ``ConfigError`` for a mesh or option that needs a capability ``model`` lacks."""
     needs = [(sizes.get("pipeline", 1) > 1, "pipeline", f"--mesh pipeline={sizes.get('pipeline')}"),
              (sizes.get("expert", 1) > 1, "experts", f"--mesh expert={sizes.get('expert')}"),
-             (config.attention.context_parallel != "none", "context_parallel",
+             (config.attention.context_parallel not in ("none", "auto"), "context_parallel",
               f"attention.context_parallel={config.attention.context_parallel}"),
              (config.mesh.sequence_parallel, "megatron", "mesh.sequence_parallel=true"),
              (bool(config.train.init_from), "hf", f"--init-from {config.train.init_from}")]

@@ -1,0 +1,67 @@
+"""Docs that failed as written (issue 45 part 6): each command below is parsed the way the
+CLI parses it and held to what made it fail; nothing trains or compiles (seconds)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+from shardlib.cli import build_parser
+from shardlib.cli.args import config_from_args
+
+ROOT = Path(__file__).resolve().parent.parent
+HOWTO = ROOT / "docs" / "how-to"
+
+
+def bash_lines(page: Path) -> list[list[str]]:
+    """Each ```bash block of ``page`` as its lines (comments and blanks kept)."""
+    return [block.splitlines() for block in
+            re.findall(r"```bash\n(.*?)```", page.read_text(), re.S)]
+
+
+def config_of(line: str):
+    """The Config the CLI builds for one ``shardlib ...`` line."""
+    words = shlex.split(line, comments=True)
+    return config_from_args(build_parser().parse_args(words[1:]))
+
+
+def test_the_fine_tune_round_trip_trains_a_model_export_can_write():
+    from shardlib.interop.hf_layout import family
+
+    block = next(b for b in bash_lines(HOWTO / "fine-tune-hf.md")
+                 if any("--init-from runs/a-hf" in line for line in b))
+    assert any(line.startswith("mkdir -p runs") for line in block)  # the checkpoint's parent
+    train = next(line for line in block if line.startswith("shardlib train"))
+    assert "--checkpoint-dir runs/a" in train
+    assert family(config_of(train).model) == "llama"  # "neither GPT-2 nor Llama" before
+    assert any(line.startswith("shardlib generate --init-from runs/a-hf") for line in block)
+
+
+def test_the_accelerator_how_tos_7b_inspect_splits_its_batch_over_its_shards():
+    line = next(line for b in bash_lines(HOWTO / "compile-for-accelerators.md") for line in b
+                if "--target v5p-128 --model 7b --mesh fsdp=64" in line)
+    config = config_of(line)
+    assert config.train.batch_size % 64 == 0, line  # the default 16 did not split
+
+
+def test_the_readmes_target_lines_say_they_need_the_tpu_extra():
+    block = next(b for b in bash_lines(ROOT / "README.md") if any("--target" in x for x in b))
+    first = next(i for i, line in enumerate(block)
+                 if line.startswith("shardlib") and "--target" in line)
+    assert any('".[tpu]"' in line for line in block[max(first - 3, 0):first + 1]), block
+
+
+def test_the_readmes_notebook_table_is_one_table_with_every_notebook():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index("| notebook | Colab | what it shows |")
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    rows = "\n".join(lines[start:end])  # a blank line would end the table early
+    notebooks = sorted(p.name for p in (ROOT / "colab").glob("*.ipynb"))
+    assert [n for n in notebooks if f"(colab/{n})" not in rows] == []
+    assert lines[start - 3].startswith(f"{_count_word(len(notebooks))} notebooks in `colab/`")
+
+
+def _count_word(n: int) -> str:
+    return ["Zero", "One", "Two", "Three", "Four", "Five", "Six", "Seven", "Eight", "Nine",
+            "Ten", "Eleven", "Twelve"][n]
