@@ -274,8 +274,28 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters (``shardlib.models.lora``): the base weights frozen, only the
+    adapters trained. Each targeted weight W becomes W + s A B, s = alpha / rank (rsLoRA:
+    alpha / sqrt(rank))."""
+
+    rank: int = 0  # 0: off (full fine-tuning); 8 or 16 is usual
+    alpha: float = 16.0
+    dropout: float = 0.0  # on the adapter's input (peft's lora_dropout); 0 keeps it exact
+    rslora: bool = False  # scale alpha / sqrt(rank) (rank-stabilised LoRA) instead of alpha / rank
+    # comma-separated regular expressions, each searched in a weight's path (e.g.
+    # ``blocks.attn.w_q_dhk``, or ``layers.0.kernel`` in a model of nnx.Linear): the
+    # GPT's attention projections and MLP by default
+    targets: str = r"attn\.w_,mlp\.w_"
+
+    def patterns(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.targets.split(",") if p.strip())
+
+
+@dataclass(frozen=True)
 class Config:
-    """Everything a run needs: mesh, model, train, optimizer, precision, comm, data, checkpoint."""
+    """Everything a run needs: mesh, model, train, optimizer, precision, comm, data, checkpoint,
+    lora."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -286,6 +306,7 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     rules: tuple[tuple[str, tuple[str, ...]], ...] = ()  # user overrides: (logical dim, axes)
 
 
