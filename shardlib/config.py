@@ -287,6 +287,9 @@ class LoRAConfig:
     # ``blocks.attn.w_q_dhk``, or ``layers.0.kernel`` in a model of nnx.Linear): the
     # GPT's attention projections and MLP by default
     targets: str = r"attn\.w_,mlp\.w_"
+    # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) the
+    # adapters start from, with train.init_from its base model; "" = fresh adapters
+    adapter: str = ""
 
     def patterns(self) -> tuple[str, ...]:
         return tuple(p.strip() for p in self.targets.split(",") if p.strip())

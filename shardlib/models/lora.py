@@ -164,6 +164,16 @@ def merge_adapters(module: nnx.Module) -> nnx.Module:
     return module
 
 
+def merged_weights(module: nnx.Module) -> dict[str, jax.Array]:
+    """Every ``Param`` of ``module`` by the path the model without adapters gives it, each
+    adapted weight merged (W + s A B, computed when read)."""
+    adapted = dict(adapters(module))
+    out = {_path(key): var.get_value()
+           for key, var in nnx.to_flat_state(nnx.state(module, nnx.Param))
+           if not isinstance(var, nnx.LoRAParam) and _path(key[:-1]) not in adapted}
+    return out | {path: node.merged() for path, node in adapted.items()}
+
+
 def base_path(path: str) -> str:
     """A frozen weight's path as the model without adapters names it
     (``blocks.attn.w_q_dhk.base`` -> ``blocks.attn.w_q_dhk``)."""
