@@ -14,7 +14,14 @@ import pytest
 from flax import nnx
 
 import shardlib
-from shardlib.config import Config, LoRAConfig, MeshConfig, TrainConfig, apply_overrides
+from shardlib.config import (
+    CheckpointConfig,
+    Config,
+    LoRAConfig,
+    MeshConfig,
+    TrainConfig,
+    apply_overrides,
+)
 from shardlib.config_check import check_ranges
 from shardlib.errors import ConfigError
 from shardlib.models import lora
@@ -32,7 +39,7 @@ def lora_config(config: Config, **changes) -> Config:
 # --- without peft ------------------------------------------------------------------------
 
 def test_sharded_mesh_trains_the_adapters_like_one_device():
-    config = lora_config(tiny_config(MeshConfig(data=1), steps=3), alpha=8.0)
+    config = lora_config(tiny_config(MeshConfig(data=1), steps=2), alpha=8.0)
     config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, lr=1e-2))
     one = run_steps(config, 1)
     sharded = run_steps(dataclasses.replace(config, mesh=MeshConfig(data=2, fsdp=2, tensor=2)))
@@ -41,23 +48,18 @@ def test_sharded_mesh_trains_the_adapters_like_one_device():
 
 
 def test_base_has_no_gradient_and_no_optimizer_state():
-    config = lora_config(tiny_config(MeshConfig(data=2, fsdp=4), steps=2))
-    setup = shardlib.build_setup(config)
+    config = lora_config(tiny_config(MeshConfig(data=1, fsdp=2)))
+    setup = shardlib.build_setup(config, jax.devices()[:2])
     state = shardlib.init_state(setup, seed=0)
-    leaves = nnx.to_flat_state(state.params)
+    leaves = nnx.to_flat_state(state.params)  # what is differentiated and updated
     assert all(isinstance(v, nnx.LoRAParam) for _, v in leaves)
     adapters = sum(v.size for _, v in leaves)
     moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
     assert sum(x.size for x in moments) == 2 * adapters  # Adam's mu and nu, adapters only
+    frozen = nnx.to_flat_state(state.model_state)
+    assert {type(v) for _, v in frozen} == {nnx.Param}
     base = state.model_state["blocks"]["attn"]["w_q_dhk"]["base"].get_value()
     assert base.sharding.spec[1] == "fsdp"  # the frozen base is FSDP-sharded too
-    before = jax.tree.map(np.asarray, state.model_state)
-    step = shardlib.make_train_step(setup)
-    from shardlib import data as data_lib
-    source, _ = data_lib.make_batches("synthetic", 8, 32, 0)
-    new, _ = step(state, data_lib.global_batch(source, 0, setup.batch_sharding))
-    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, new.model_state),
-                 before)
 
 
 class Blocks(nnx.Module):
@@ -205,15 +207,19 @@ def peft_logits_without_adapter(model) -> np.ndarray:
 
 def test_adapter_trained_here_loads_in_peft(hf_pair, tmp_path):
     torch, transformers, peft = _hf_modules()
+    if "qwen2" in str(hf_pair[0]):
+        pytest.skip("one family trains (compile time); both are held to peft above")
+    from shardlib.cli import main
     from shardlib.interop import hf
     from shardlib.interop import peft as peft_io
     from shardlib.run.loop import train
 
     base, _, _ = hf_pair
-    config = Config(mesh=MeshConfig(data=2, fsdp=2, tensor=2), model=hf.load_config(base),
+    config = Config(mesh=MeshConfig(data=2, fsdp=4), model=hf.load_config(base),
                     lora=LoRAConfig(rank=4, alpha=8.0, targets=r"attn\.w_[qv],mlp\.w_out"),
                     train=TrainConfig(steps=3, batch_size=8, seq_len=16, data="synthetic",
-                                      init_from=str(base), eval_every=0, sample_tokens=0))
+                                      init_from=str(base), eval_every=0, sample_tokens=0),
+                    checkpoint=CheckpointConfig(dir=str(tmp_path / "run"), every=0))
     config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, lr=1e-2,
                                                                    warmup_steps=0))
     result = train(config)
@@ -224,17 +230,17 @@ def test_adapter_trained_here_loads_in_peft(hf_pair, tmp_path):
         transformers.AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter").eval()
     with torch.no_grad():
         theirs = loaded(input_ids=torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
-        untrained = loaded.get_base_model()
     np.testing.assert_allclose(theirs, ours, rtol=0, atol=TOL)
     assert np.abs(theirs - peft_logits_without_adapter(loaded)).max() > 100 * TOL
-    del untrained
-    # merged into the base: the Hugging Face export computes the same
+    # merged into the base: the Hugging Face exports (of the module, of the checkpoint)
     hf.save_pretrained(module, tmp_path / "merged")
-    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-    with torch.no_grad():
-        np.testing.assert_allclose(
-            merged(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy(), ours, rtol=0,
-            atol=TOL)
+    assert main(["export", "--format", "hf", "--checkpoint-dir", str(tmp_path / "run"),
+                 "--out", str(tmp_path / "exported")]) == 0
+    for out in ("merged", "exported"):
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / out).eval()
+        with torch.no_grad():
+            logits = merged(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
+        np.testing.assert_allclose(logits, ours, rtol=0, atol=TOL, err_msg=out)
     # and back: the PEFT adapter continues training from where it was
     again = dataclasses.replace(config, lora=dataclasses.replace(
         config.lora, adapter=str(tmp_path / "adapter")))

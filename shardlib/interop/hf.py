@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 
 from shardlib import sharding
 from shardlib.checkpoint import Checkpointer
-from shardlib.config import MeshConfig, ModelConfig
+from shardlib.config import LoRAConfig, MeshConfig, ModelConfig
 from shardlib.errors import CheckpointError, ConfigError, ShardlibError
 from shardlib.export import good_step, read_array
 from shardlib.interop.hf_layout import layer_groups, links, to_hf_config, to_model_config
@@ -414,11 +414,33 @@ def export_pretrained(directory: str | os.PathLike, out: str | os.PathLike,
         saved = checkpointer.saved_config(step).get("model", {})
         known = {f.name for f in dataclasses.fields(ModelConfig)}
         cfg = ModelConfig(**{k: v for k, v in saved.items() if k in known})
-        keys = {path.removeprefix("params."): key
+        keys = {path.split(".", 1)[1]: key
                 for path, (key, _) in checkpointer.saved_arrays(step).items()
-                if path.startswith("params.")}
+                if path.startswith(("params.", "model_state."))}  # LoRA: the base is state
         reader = ocp.PyTreeCheckpointer()
-        get = lambda name: read_array(reader, checkpointer, step, keys[name])
-        return step, write_pretrained(cfg, get, keys, out, dtype=dtype)
+        read = lambda name: read_array(reader, checkpointer, step, keys[name])
+        get = _merging(read, keys, saved_lora(checkpointer.saved_config(step)))
+        names = {lora.base_path(name) for name in keys}
+        return step, write_pretrained(cfg, get, names, out, dtype=dtype)
     finally:
         checkpointer.close()
+
+
+def saved_lora(saved: dict[str, Any]) -> LoRAConfig:
+    """The LoRA section of a checkpoint's saved config (rank 0 when it has none)."""
+    known = {f.name for f in dataclasses.fields(LoRAConfig)}
+    return LoRAConfig(**{k: v for k, v in saved.get("lora", {}).items() if k in known})
+
+
+def _merging(read: Callable[[str], np.ndarray], keys: Iterable[str], cfg: LoRAConfig
+             ) -> Callable[[str], np.ndarray]:
+    """``read`` by the base model's names, each LoRA-adapted weight merged on the host."""
+    keys = set(keys)
+
+    def get(name: str) -> np.ndarray:
+        if f"{name}.{lora.BASE}" not in keys:
+            return read(name)
+        return lora.merge_host(read(f"{name}.{lora.BASE}"), read(f"{name}.lora_a"),
+                               read(f"{name}.lora_b"), lora.scale(cfg))
+
+    return get

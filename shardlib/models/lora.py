@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from shardlib.annotations import declared_dims
@@ -172,6 +173,15 @@ def merged_weights(module: nnx.Module) -> dict[str, jax.Array]:
            for key, var in nnx.to_flat_state(nnx.state(module, nnx.Param))
            if not isinstance(var, nnx.LoRAParam) and _path(key[:-1]) not in adapted}
     return out | {path: node.merged() for path, node in adapted.items()}
+
+
+def merge_host(w: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
+    """W + s A B on the host (an export that reads a checkpoint one array at a time)."""
+    lead = a.ndim + b.ndim - 2 - w.ndim  # stacking dims, on all three
+    a_lir = a.reshape(*a.shape[:lead], -1, a.shape[-1])
+    b_lro = b.reshape(*b.shape[:lead + 1], -1)
+    delta = np.matmul(a_lir.astype(np.float32), b_lro.astype(np.float32)).reshape(w.shape)
+    return (w.astype(np.float32) + scale * delta).astype(w.dtype)
 
 
 def base_path(path: str) -> str:
