@@ -106,8 +106,13 @@ def test_bad_values_name_the_field():
         shardlib.build_setup(config, jax.devices()[:1], model=_user_model())
     with pytest.raises(ConfigError, match=r"lora.dropout=0.1"):
         lora.with_lora(_user_model(), LoRAConfig(rank=2, dropout=0.1))
-    set_ = apply_overrides(Config(), ["lora.rank=8", "lora.alpha=32", "lora.rslora=true"])
+    from shardlib.cli import build_parser, config_from_args
+
+    set_ = config_from_args(build_parser().parse_args(
+        ["train", "--set", "lora.rank=8", "--set", "lora.alpha=32", "--set", "lora.rslora=true"]))
     assert (set_.lora.rank, set_.lora.alpha, set_.lora.rslora) == (8, 32.0, True)
+    with pytest.raises(ConfigError, match=r"lora.rank=x: expected a int"):
+        apply_overrides(Config(), ["lora.rank=x"])
     assert lora.scale(set_.lora) == pytest.approx(32 / 8 ** 0.5)
 
 
@@ -248,3 +253,30 @@ def test_adapter_trained_here_loads_in_peft(hf_pair, tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                                          atol=1e-7),
                  restarted.params, result.state.params)
+
+
+def test_unscanned_layers_write_and_read_the_same_peft_adapter(tmp_path):
+    from shardlib.config import ModelConfig
+    from shardlib.interop import peft as peft_io
+    from shardlib.models.gpt import GPT
+
+    cfg = ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                      d_ff=64, mlp="gated", norm="rms", activation="silu",
+                      tie_embeddings=False)
+    lora_cfg = LoRAConfig(rank=2, alpha=4.0, targets=r"attn\.w_[qo],mlp\.w_in")
+    listed = GPT(dataclasses.replace(cfg, scan_layers=False), rngs=nnx.Rngs(0))
+    lora.add_adapters(listed, lora_cfg, nnx.Rngs(1))
+    for _, node in lora.adapters(listed):
+        node.lora_b.set_value(jax.random.normal(jax.random.key(2), node.lora_b.shape))
+    peft_io.save_adapter(listed, tmp_path, lora_cfg)
+    targets = peft_io.read_config(tmp_path, cfg).targets
+    assert targets == r"attn\.w_q_dhk$,attn\.w_o_hkd$,mlp\.w_in_df$"
+    stacked = GPT(cfg, rngs=nnx.Rngs(0))
+    lora.add_adapters(stacked, peft_io.read_config(tmp_path, cfg), nnx.Rngs(3))
+    peft_io.load_adapter(stacked, tmp_path)
+    got = {p: np.asarray(n.delta()) for p, n in lora.adapters(stacked)}
+    assert len(got) == 3
+    for path, node in lora.adapters(listed):  # blocks.{layer}.attn.w_q_dhk
+        _, layer, rel = path.split(".", 2)
+        np.testing.assert_allclose(got[f"blocks.{rel}"][int(layer)], np.asarray(node.delta()),
+                                   rtol=1e-6, atol=1e-6)
