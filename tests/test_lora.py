@@ -249,7 +249,8 @@ def test_adapter_trained_here_loads_in_peft(hf_pair, tmp_path):
     # and back: the PEFT adapter continues training from where it was
     again = dataclasses.replace(config, lora=dataclasses.replace(
         config.lora, adapter=str(tmp_path / "adapter")))
-    restarted = hf.pretrained_state(shardlib.build_setup(again), base)
+    setup = shardlib.build_setup(again)
+    restarted = peft_io.adapter_state(setup, hf.pretrained_state(setup, base), again.lora.adapter)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                                          atol=1e-7),
                  restarted.params, result.state.params)

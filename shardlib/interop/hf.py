@@ -283,8 +283,8 @@ def check_matches(theirs: ModelConfig, ours: ModelConfig, path: str | os.PathLik
 
 def pretrained_state(setup: TrainSetup, path: str | os.PathLike) -> TrainState:
     """A fresh TrainState (step 0, new AdamW state) whose parameters come from ``path``;
-    with LoRA (``lora.rank``) the frozen base does, and the adapters start fresh (or from
-    the PEFT adapter ``lora.adapter``)."""
+    with LoRA (``lora.rank``) the frozen base does, and the adapters start fresh (the
+    loop then reads ``lora.adapter``: ``interop.peft.adapter_state``)."""
     if setup.config.lora.rank:
         return _pretrained_lora_state(setup, path)
     params = load_params(path, setup.config.model, setup.abstract_params,
@@ -300,11 +300,7 @@ def _pretrained_lora_state(setup: TrainSetup, path: str | os.PathLike) -> TrainS
     state = init_state(setup, setup.config.train.seed)
     base = load_params(path, setup.config.model, abstract_state(setup).model_state,
                        setup.state_shardings.model_state, dtype=setup.policy.compute)
-    state = dataclasses.replace(state, model_state=base)
-    if setup.config.lora.adapter:
-        from shardlib.interop import peft  # above this module: it reads HF names from here
-        state = peft.adapter_state(setup, state, setup.config.lora.adapter)
-    return state
+    return dataclasses.replace(state, model_state=base)
 
 
 def from_pretrained(path: str | os.PathLike, *, mesh: Mesh | None = None,
