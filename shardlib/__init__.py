@@ -18,8 +18,8 @@ from shardlib.accelerator import quiet_libtpu
 quiet_libtpu()  # before JAX starts its backends: no libtpu warnings on a host without TPUs
 
 _LAZY: dict[str, str] = {  # public name -> the module that defines it
-    **dict.fromkeys(("AttentionConfig", "Config", "MeshConfig", "ModelConfig", "OptimConfig",
-                     "TrainConfig"), "shardlib.config"),
+    **dict.fromkeys(("AttentionConfig", "Config", "LoRAConfig", "MeshConfig", "ModelConfig",
+                     "OptimConfig", "TrainConfig"), "shardlib.config"),
     **dict.fromkeys(("ConfigError", "DistributedError", "MeshError", "ShardingError",
                      "ShardlibError"), "shardlib.errors"),
     "Model": "shardlib.contract", "peak_flops": "shardlib.analysis.mfu",
@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # what the lazy names are, for type checkers and editors
     from shardlib.config import (  # noqa: F401
         AttentionConfig,
         Config,
+        LoRAConfig,
         MeshConfig,
         ModelConfig,
         OptimConfig,
@@ -123,7 +124,8 @@ sys.modules[__name__].__class__ = _Package
 __version__ = "0.1.0"
 
 __all__ = [
-    "GPT", "AttentionConfig", "Config", "ConfigError", "DistributedError", "MeshConfig",
+    "GPT", "AttentionConfig", "Config", "ConfigError", "DistributedError", "LoRAConfig",
+    "MeshConfig",
     "MeshError", "Model", "ModelConfig",
     "OptimConfig",
     "ShardingError", "ShardlibError", "TrainConfig", "TrainResult", "TrainSetup", "TrainState",

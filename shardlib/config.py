@@ -285,8 +285,31 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters (``shardlib.models.lora``): the base weights frozen, only the
+    adapters trained. Each targeted weight W becomes W + s A B, s = alpha / rank (rsLoRA:
+    alpha / sqrt(rank))."""
+
+    rank: int = 0  # 0: off (full fine-tuning); 8 or 16 is usual
+    alpha: float = 16.0  # the adapter's scale is alpha / rank: its output, not its init
+    dropout: float = 0.0  # peft's lora_dropout: not supported, refused above 0
+    rslora: bool = False  # scale alpha / sqrt(rank) (rank-stabilised LoRA) instead of alpha / rank
+    # comma-separated regular expressions, each searched in a weight's path (e.g.
+    # ``blocks.attn.w_q_dhk``, or ``layers.0.kernel`` in a model of nnx.Linear): the
+    # GPT's attention projections and MLP by default
+    targets: str = r"attn\.w_,mlp\.w_"
+    # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) the
+    # adapters start from, with train.init_from its base model; "" = fresh adapters
+    adapter: str = ""
+
+    def patterns(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.targets.split(",") if p.strip())
+
+
+@dataclass(frozen=True)
 class Config:
-    """Everything a run needs: mesh, model, train, optimizer, precision, comm, data, checkpoint."""
+    """Everything a run needs: mesh, model, train, optimizer, precision, comm, data, checkpoint,
+    lora."""
     mesh: MeshConfig = field(default_factory=MeshConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -297,6 +320,7 @@ class Config:
     comm: CommConfig = field(default_factory=CommConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     rules: tuple[tuple[str, tuple[str, ...]], ...] = ()  # user overrides: (logical dim, axes)
 
 

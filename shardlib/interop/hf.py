@@ -32,15 +32,23 @@ from jax.sharding import Mesh
 
 from shardlib import sharding
 from shardlib.checkpoint import Checkpointer
-from shardlib.config import MeshConfig, ModelConfig
+from shardlib.config import LoRAConfig, MeshConfig, ModelConfig
 from shardlib.errors import CheckpointError, ConfigError, ShardlibError
 from shardlib.export import good_step, read_array
 from shardlib.interop.hf_layout import layer_groups, links, to_hf_config, to_model_config
 from shardlib.interop.hf_links import Link
 from shardlib.mesh import MESH_AXES, make_mesh
+from shardlib.models import lora
 from shardlib.models.gpt import GPT
 from shardlib.train.setup import TrainSetup, TrainState
-from shardlib.train.state import named_tree, param_specs, path_str, start_state
+from shardlib.train.state import (
+    abstract_state,
+    init_state,
+    named_tree,
+    param_specs,
+    path_str,
+    start_state,
+)
 
 _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": jnp.bfloat16,
            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
@@ -139,6 +147,24 @@ def _entry(file: Path, name: str, info: Any, start: int, total: int) -> _Entry:
     return _Entry(file, dtype, shape, start + begin)
 
 
+def read_safetensors(file: Path) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file, on the host (for small files: adapters)."""
+    return {name: np.fromfile(e.file, dtype=_DTYPES[e.dtype], count=math.prod(e.shape),
+                              offset=e.offset).reshape(e.shape)
+            for name, e in _read_header(file).items()}
+
+
+def write_safetensors(file: Path, tensors: dict[str, np.ndarray], dtype: str = "float32"
+                      ) -> None:
+    """``tensors`` as one safetensors file, each cast to ``dtype``."""
+    order = [(name, tuple(x.shape)) for name, x in tensors.items()]
+    header = _header(order, np.dtype(dtype))
+    with file.open("wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        for x in tensors.values():
+            f.write(np.ascontiguousarray(x.astype(dtype)).tobytes())
+
+
 def _not_safetensors(file: Path, why: str) -> CheckpointError:
     return CheckpointError(f"{file}: not a readable safetensors file ({why}); download or "
                            "save it again")
@@ -234,7 +260,8 @@ def load_params(path: str | os.PathLike, cfg: ModelConfig, abstract_params: nnx.
     is_var = lambda x: isinstance(x, nnx.Variable)
 
     def place(key: tuple, var: nnx.Variable, target: nnx.Variable) -> nnx.Variable:
-        host = _host_param(files, owner, *_split_path(path_str(key), var)).astype(dtype)
+        name = lora.base_path(path_str(key))  # a LoRA-adapted weight's frozen base
+        host = _host_param(files, owner, *_split_path(name, var)).astype(dtype)
         assert host.shape == tuple(var.shape), (path_str(key), host.shape, var.shape)
         array = jax.make_array_from_callback(host.shape, target.get_value(),
                                              lambda index: host[index])
@@ -255,13 +282,25 @@ def check_matches(theirs: ModelConfig, ours: ModelConfig, path: str | os.PathLik
 
 
 def pretrained_state(setup: TrainSetup, path: str | os.PathLike) -> TrainState:
-    """A fresh TrainState (step 0, new AdamW state) whose parameters come from ``path``."""
+    """A fresh TrainState (step 0, new AdamW state) whose parameters come from ``path``;
+    with LoRA (``lora.rank``) the frozen base does, and the adapters start fresh (the
+    loop then reads ``lora.adapter``: ``interop.peft.adapter_state``)."""
+    if setup.config.lora.rank:
+        return _pretrained_lora_state(setup, path)
     params = load_params(path, setup.config.model, setup.abstract_params,
                          setup.state_shardings.params, dtype=setup.policy.param)
     state_key = jax.random.split(jax.random.key(setup.config.train.seed))[1]
 
     init = lambda params: start_state(setup, params, state_key)  # noqa: E731
     return jax.jit(init, out_shardings=setup.state_shardings, donate_argnums=0)(params)
+
+
+def _pretrained_lora_state(setup: TrainSetup, path: str | os.PathLike) -> TrainState:
+    """A fresh LoRA TrainState: the frozen base read from ``path`` in the compute dtype."""
+    state = init_state(setup, setup.config.train.seed)
+    base = load_params(path, setup.config.model, abstract_state(setup).model_state,
+                       setup.state_shardings.model_state, dtype=setup.policy.compute)
+    return dataclasses.replace(state, model_state=base)
 
 
 def from_pretrained(path: str | os.PathLike, *, mesh: Mesh | None = None,
@@ -290,9 +329,9 @@ class Saved:
 
 def save_pretrained(model: GPT, path: str | os.PathLike, *, dtype: str = "float32") -> Saved:
     """Write ``model`` as config.json + model.safetensors that transformers loads (the
-    architecture of ``hf_layout.family``), gathering one parameter at a time."""
-    arrays = {path_str(p): v.get_value()
-              for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    architecture of ``hf_layout.family``), gathering one parameter at a time; LoRA
+    adapters are merged into their weights (``models.lora.merged_weights``)."""
+    arrays = lora.merged_weights(model)
     return write_pretrained(model.cfg, lambda name: np.asarray(jax.device_get(arrays[name])),
                             arrays, path, dtype=dtype)
 
@@ -371,11 +410,33 @@ def export_pretrained(directory: str | os.PathLike, out: str | os.PathLike,
         saved = checkpointer.saved_config(step).get("model", {})
         known = {f.name for f in dataclasses.fields(ModelConfig)}
         cfg = ModelConfig(**{k: v for k, v in saved.items() if k in known})
-        keys = {path.removeprefix("params."): key
+        keys = {path.split(".", 1)[1]: key
                 for path, (key, _) in checkpointer.saved_arrays(step).items()
-                if path.startswith("params.")}
+                if path.startswith(("params.", "model_state."))}  # LoRA: the base is state
         reader = ocp.PyTreeCheckpointer()
-        get = lambda name: read_array(reader, checkpointer, step, keys[name])
-        return step, write_pretrained(cfg, get, keys, out, dtype=dtype)
+        read = lambda name: read_array(reader, checkpointer, step, keys[name])
+        get = _merging(read, keys, saved_lora(checkpointer.saved_config(step)))
+        names = {lora.base_path(name) for name in keys}
+        return step, write_pretrained(cfg, get, names, out, dtype=dtype)
     finally:
         checkpointer.close()
+
+
+def saved_lora(saved: dict[str, Any]) -> LoRAConfig:
+    """The LoRA section of a checkpoint's saved config (rank 0 when it has none)."""
+    known = {f.name for f in dataclasses.fields(LoRAConfig)}
+    return LoRAConfig(**{k: v for k, v in saved.get("lora", {}).items() if k in known})
+
+
+def _merging(read: Callable[[str], np.ndarray], keys: Iterable[str], cfg: LoRAConfig
+             ) -> Callable[[str], np.ndarray]:
+    """``read`` by the base model's names, each LoRA-adapted weight merged on the host."""
+    keys = set(keys)
+
+    def get(name: str) -> np.ndarray:
+        if f"{name}.{lora.BASE}" not in keys:
+            return read(name)
+        return lora.merge_host(read(f"{name}.{lora.BASE}"), read(f"{name}.lora_a"),
+                               read(f"{name}.lora_b"), lora.scale(cfg))
+
+    return get

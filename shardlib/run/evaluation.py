@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
 from shardlib import data as data_lib
 from shardlib.config import TrainConfig
@@ -76,7 +77,9 @@ def sample_text(setup: TrainSetup, state: TrainState, tc: TrainConfig,
     if tc.sample_tokens <= 0:
         return ""
     prompt = np.asarray(tokenizer.encode("def " if tc.data == "stdlib" else "\n"), np.int32)
+    weights = state.params if state.model_state is None else nnx.merge_state(
+        state.params, state.model_state)  # LoRA: the adapters and the frozen base
     with timeline.phase("compile"):
-        sample = compile_generate(setup, state.params, prompt, tc.sample_tokens,
+        sample = compile_generate(setup, weights, prompt, tc.sample_tokens,
                                   temperature=tc.sample_temperature, top_k=tc.sample_top_k)
-    return tokenizer.decode(sample(state.params, tc.seed)[0])
+    return tokenizer.decode(sample(weights, tc.seed)[0])

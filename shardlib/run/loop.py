@@ -26,6 +26,8 @@ from shardlib.config import Config
 from shardlib.contract import Model, has_sequence
 from shardlib.data.arrays import ArrayLoader, BatchSource
 from shardlib.distributed import main_print
+from shardlib.errors import ConfigError
+from shardlib.interop import peft
 from shardlib.interop.hf import pretrained_state
 from shardlib.reporting import NullReporter, Reporter
 from shardlib.run import (
@@ -207,6 +209,11 @@ def _first_state(setup: TrainSetup, state: TrainState | None,
                                          config, result.resumed_from)
     if state is None and config.train.init_from:  # fine-tune HF weights (resume wins)
         state = pretrained_state(setup, config.train.init_from)
+        if config.lora.adapter:  # LoRA: the adapters from a PEFT directory
+            state = peft.adapter_state(setup, state, config.lora.adapter)
+    elif state is None and config.lora.adapter:
+        raise ConfigError(f"lora.adapter={config.lora.adapter}: needs train.init_from, the "
+                          "Hugging Face base model the adapter was trained on (--init-from)")
     return state if state is not None else init_state(setup, config.train.seed)
 
 

@@ -22,7 +22,7 @@ from shardlib.config_check import check_ranges
 from shardlib.contract import Model
 from shardlib.errors import ConfigError
 from shardlib.mesh import MESH_AXES, capability_of, make_mesh, platform_of, resolve_degrees
-from shardlib.models import check_model
+from shardlib.models import check_model, lora
 from shardlib.models.attention import check_kernel
 from shardlib.models.moe import check_moe
 from shardlib.parallel.context import auto_note, check_context_parallel, resolve_method
@@ -131,6 +131,8 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None, *,
         check_model(config.model)
     devices = list(jax.devices() if devices is None else devices)
     policy = resolve_policy(config.precision, platform_of(devices))
+    if config.lora.rank:  # adapters trained, the frozen base in the compute dtype
+        model = lora.with_lora(model, config.lora, policy.compute)
     mesh = make_mesh(mesh_degrees(config, len(devices)), devices)
     sizes = dict(mesh.shape)
     config, notes = resolve_context_parallel(config, sizes, model)
@@ -192,6 +194,10 @@ def check_capabilities(config: Config, sizes: dict[str, int], model: Model) -> N
               f"attention.context_parallel={config.attention.context_parallel}"),
              (config.mesh.sequence_parallel, "megatron", "mesh.sequence_parallel=true"),
              (bool(config.train.init_from), "hf", f"--init-from {config.train.init_from}")]
+    if config.lora.rank and sizes.get("pipeline", 1) > 1:
+        raise ConfigError(f"lora.rank={config.lora.rank} with --mesh pipeline="
+                          f"{sizes['pipeline']}: pipeline stages do not carry the frozen "
+                          "base weights yet; use data / fsdp / tensor axes, or lora.rank=0")
     for needed, capability, option in needs:
         if needed:
             model.require(capability, option)
@@ -225,7 +231,8 @@ def abstract_model(model: Model, config: Config, sizes: dict[str, int]
         model = model.with_units(find_units(abstract))
     graphdef, params, rest = split_model(abstract, model)
     shards = fsdp_auto_shards(config, sizes)
-    rest = None if rest is None else annotate(rest, 1, name=model.name)
+    # a frozen weight (LoRA's base) shards under FSDP as a trained one does
+    rest = None if rest is None else annotate(rest, shards, name=model.name)
     return model, graphdef, annotate(params, shards, name=model.name), rest
 
 

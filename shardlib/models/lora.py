@@ -1,0 +1,214 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021) on the weights of any nnx model, by path.
+
+A targeted weight W (the GPT's ``attn.w_q_dhk``, an ``nnx.Linear``'s ``kernel``) is
+replaced by an ``Adapted`` module that reads as ``W + s A B``: A (in dims, r) and B (r,
+out dims) are ``nnx.LoRAParam``\\ s (Flax's own type, a ``Param`` subclass), so the
+contract's ``trainable=nnx.LoRAParam`` trains them alone and W, frozen, is neither
+differentiated nor given optimizer state. s = alpha / r (rsLoRA: alpha / sqrt(r)).
+
+The adapter is merged into the weight where the weight is read (``w[...]``), so every
+einsum of the model, scanned layers and decoding included, sees it without change; A
+takes the logical names of W's in dims and B those of its out dims, so the rules split
+them as they split W (FSDP over ``embed``, tensor parallelism over ``heads`` / ``mlp``).
+Leading ``layers`` / ``expert`` dims (stacked layers) are kept on A and B.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from shardlib.annotations import declared_dims
+from shardlib.config import LoRAConfig
+from shardlib.contract import Model
+from shardlib.errors import ConfigError
+
+STACK_DIMS = ("layers", "expert")  # leading dims an adapter keeps (one adapter per layer)
+BASE = "base"  # the attribute an ``Adapted`` keeps the frozen weight under
+
+
+def scale(cfg: LoRAConfig) -> float:
+    """The adapter's scale: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    return cfg.alpha / (cfg.rank ** 0.5 if cfg.rslora else cfg.rank)
+
+
+class Adapted(nnx.Module):
+    """A frozen weight and its low-rank adapter; reads (``[...]``) as W + s A B."""
+
+    def __init__(self, base: nnx.Param, *, rank: int, scale: float, rngs: nnx.Rngs,
+                 dtype: Any = None):
+        shape = tuple(base.shape)
+        dims = declared_dims(base) or (None,) * len(shape)
+        lead = next((i for i, d in enumerate(dims) if d not in STACK_DIMS), len(shape))
+        ins = len(shape) - lead - 1 if dims[-1] == "embed" and len(shape) - lead > 2 else 1
+        cut = lead + ins
+        value = base.get_value() if dtype is None else base.get_value().astype(dtype)
+        self.base = base.replace(value=value)
+        init_a = jax.nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform",
+                                                      in_axis=tuple(range(lead, cut)),
+                                                      batch_axis=tuple(range(lead)))
+        self.lora_a = nnx.LoRAParam(init_a(rngs.params(), (*shape[:cut], rank), jnp.float32),
+                                    logical=(*dims[:cut], None))
+        self.lora_b = nnx.LoRAParam(jnp.zeros((*shape[:lead], rank, *shape[cut:]), jnp.float32),
+                                    logical=(*dims[:lead], None, *dims[cut:]))
+        self.scale, self.ins = scale, ins
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.base.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self.base.dtype
+
+    def __getitem__(self, index: Any) -> jax.Array:
+        return self.merged()[index]
+
+    def get_value(self) -> jax.Array:
+        return self.merged()
+
+    def delta(self) -> jax.Array:
+        """s A B, the adapter's change to the weight, in the weight's shape (inside a layer
+        scan, one layer's: the stacking dims are whatever A has beyond its in dims)."""
+        a, b = self.lora_a[...], self.lora_b[...]
+        lead = "abcdef"[:a.ndim - 1 - self.ins]
+        ins, outs = "ghijkl"[:self.ins], "mnopqs"[:b.ndim - len(lead) - 1]
+        return jnp.einsum(f"{lead}{ins}r,{lead}r{outs}->{lead}{ins}{outs}", a, b) * self.scale
+
+    def merged(self) -> jax.Array:
+        """W + s A B in W's dtype."""
+        w = self.base[...]
+        return w + self.delta().astype(w.dtype)
+
+
+# --- finding and wrapping the targets ------------------------------------------------------
+
+def _path(key: tuple) -> str:
+    return ".".join(str(getattr(k, "key", k)) for k in key)
+
+
+def weights(module: nnx.Module) -> dict[str, tuple[tuple, nnx.Param]]:
+    """The matrices an adapter can take, by dotted path: every ``Param`` (not an adapter's
+    own) with at least two dims besides its stacking dims."""
+    out, adapted = {}, {path for path, _ in adapters(module)}
+    for key, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        if isinstance(var, nnx.LoRAParam) or _path(key[:-1]) in adapted:
+            continue
+        dims = declared_dims(var) or (None,) * len(var.shape)
+        if sum(d not in STACK_DIMS for d in dims) >= 2:
+            out[_path(key)] = (key, var)
+    return out
+
+
+def targets(module: nnx.Module, cfg: LoRAConfig) -> dict[str, tuple[tuple, nnx.Param]]:
+    """The weights ``cfg.targets`` names; a ConfigError for a pattern that names none."""
+    found = weights(module)
+    chosen = {}
+    for pattern in cfg.patterns() or ("",):
+        try:
+            hits = {p: found[p] for p in found if re.search(pattern, p)}
+        except re.error as err:
+            raise ConfigError(f"lora.targets: {pattern!r} is not a regular expression ({err})"
+                              ) from None
+        if not hits:
+            raise ConfigError(f"lora.targets: {pattern!r} matches none of the model's weights "
+                              f"({', '.join(found) or 'none'}); name one of them (a regular "
+                              "expression searched in the path)")
+        chosen.update(hits)
+    return chosen
+
+
+def add_adapters(module: nnx.Module, cfg: LoRAConfig, rngs: nnx.Rngs,
+                 dtype: Any = None) -> nnx.Module:
+    """``module`` with an ``Adapted`` in place of every weight ``cfg.targets`` names, the
+    frozen weights cast to ``dtype`` (the compute dtype; None keeps theirs)."""
+    check(cfg)
+    for key, var in targets(module, cfg).values():
+        parent = module
+        for k in key[:-1]:
+            parent = parent[k] if isinstance(k, int) else getattr(parent, k)
+        adapted = Adapted(var, rank=cfg.rank, scale=scale(cfg), rngs=rngs, dtype=dtype)
+        if isinstance(key[-1], int):
+            parent[key[-1]] = adapted
+        else:
+            setattr(parent, key[-1], adapted)
+    return module
+
+
+def adapters(module: nnx.Module) -> Iterator[tuple[str, Adapted]]:
+    """Every ``Adapted`` in ``module`` with its dotted path (the weight's own)."""
+    for key, node in nnx.iter_graph(module):
+        if isinstance(node, Adapted):
+            yield _path(key), node
+
+
+def merge_adapters(module: nnx.Module) -> nnx.Module:
+    """``module`` with every adapter merged into its weight (W + s A B as a plain
+    ``Param``): the model to export or serve, computing what the adapted one did."""
+    for path, node in list(adapters(module)):
+        *parents, last = path.split(".")
+        parent = module
+        for k in parents:
+            parent = parent[int(k)] if k.isdigit() else getattr(parent, k)
+        merged = node.base.replace(value=node.merged())
+        if last.isdigit():
+            parent[int(last)] = merged
+        else:
+            setattr(parent, last, merged)
+    return module
+
+
+def merged_weights(module: nnx.Module) -> dict[str, jax.Array]:
+    """Every ``Param`` of ``module`` by the path the model without adapters gives it, each
+    adapted weight merged (W + s A B, computed when read)."""
+    adapted = dict(adapters(module))
+    out = {_path(key): var.get_value()
+           for key, var in nnx.to_flat_state(nnx.state(module, nnx.Param))
+           if not isinstance(var, nnx.LoRAParam) and _path(key[:-1]) not in adapted}
+    return out | {path: node.merged() for path, node in adapted.items()}
+
+
+def merge_host(w: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
+    """W + s A B on the host (an export that reads a checkpoint one array at a time)."""
+    lead = a.ndim + b.ndim - 2 - w.ndim  # stacking dims, on all three
+    a_lir = a.reshape(*a.shape[:lead], -1, a.shape[-1])
+    b_lro = b.reshape(*b.shape[:lead + 1], -1)
+    delta = np.matmul(a_lir.astype(np.float32), b_lro.astype(np.float32)).reshape(w.shape)
+    return (w.astype(np.float32) + scale * delta).astype(w.dtype)
+
+
+def base_path(path: str) -> str:
+    """A frozen weight's path as the model without adapters names it
+    (``blocks.attn.w_q_dhk.base`` -> ``blocks.attn.w_q_dhk``)."""
+    return path.removesuffix("." + BASE)
+
+
+# --- the model transform ---------------------------------------------------------------
+
+def check(cfg: LoRAConfig) -> None:
+    """ConfigErrors for values the adapters cannot take (ranges: ``config_check``)."""
+    if cfg.rank < 1:
+        raise ConfigError(f"lora.rank={cfg.rank}: adapters need rank >= 1 (0 turns LoRA off)")
+    if cfg.dropout:
+        raise ConfigError(
+            f"lora.dropout={cfg.dropout}: not supported; shardlib merges the adapter into its "
+            "weight where the weight is read (W + s A B), which has no per-input dropout; set "
+            "lora.dropout=0 (peft's default)")
+
+
+def with_lora(model: Model, cfg: LoRAConfig, dtype: Any = None) -> Model:
+    """``model`` whose ``build`` adds adapters (``add_adapters``) and whose trained
+    variables are the adapters alone; the frozen weights become its non-trained state."""
+    check(cfg)
+
+    def build(rngs: nnx.Rngs) -> nnx.Module:
+        return add_adapters(model.build(rngs), cfg, rngs, dtype)
+
+    return replace(model, build=build, trainable=nnx.LoRAParam)
