@@ -40,20 +40,20 @@ def test_a_roomy_budget_picks_data_parallelism_and_says_why():
 
 
 def test_a_budget_too_small_for_data_parallelism_picks_fsdp():
-    """4 MiB per device: data parallelism (10.7 MiB compiled), ZeRO-1/2 and data x fsdp
-    do not fit; fsdp=8 does, confirmed by compiling it. The estimates of the pick and of
-    data=8 are within ``MEMORY_MARGIN`` (30%) of the compiled peaks (measured: 1.07x and
-    1.02x)."""
+    """3 MiB per device: data parallelism (10.2 MiB compiled), ZeRO-1/2 and data x fsdp
+    (data=2,fsdp=4: 3.5 MiB compiled) do not fit; fsdp=8 (2.3 MiB) does, confirmed by
+    compiling it. The estimates of the pick and of data=8 are within ``MEMORY_MARGIN``
+    (30%) of the compiled peaks (measured: 1.08x and 1.02x)."""
     config, model = user_config(MeshConfig()), vit(**MODEL)
-    result = shardlib.plan(config, 8, model=model, batch=image_batch(0), budget_bytes=4 * MIB)
+    result = shardlib.plan(config, 8, model=model, batch=image_batch(0), budget_bytes=3 * MIB)
     best = result.best
     assert best.layout.key == "fsdp=8" and best.source == "compiled", result.lines()
-    assert best.memory_bytes <= 4 * MIB
+    assert best.memory_bytes <= 3 * MIB
     assert abs(best.peak.total / best.memory_bytes - 1) <= MEMORY_MARGIN
     data = verdicts(result)["data=8"]
     assert data.verdict == "over"
     compiled, _ = compiled_figures(config, model, data.layout, image_batch(0), jax.devices())
-    assert compiled > 4 * MIB
+    assert compiled > 3 * MIB
     assert abs(data.peak.total / compiled - 1) <= MEMORY_MARGIN
     assert "data=2,fsdp=4 needs" in result.why  # preferred (less traffic), did not fit
 
