@@ -15,6 +15,7 @@ import shardlib
 from shardlib.checkpoint import Checkpointer
 from shardlib.checkpoint_files import finished_steps
 from shardlib.config import CheckpointConfig, Config, MeshConfig, OptimConfig, TrainConfig
+from shardlib.config_check import check_ranges
 from shardlib.errors import ConfigError
 from shardlib.run import spike
 from shardlib.train.state import build_setup
@@ -118,8 +119,11 @@ def test_a_healthy_run_rotates_as_before(tmp_path):
 @pytest.mark.parametrize("field, value", [("on_spike", "ignore"), ("spike_factor", 1.0),
                                           ("spike_steps", 0), ("spike_grad_factor", 0.5)])
 def test_bad_guard_settings_are_one_error(field, value):
+    """As start-up checks them: the numeric ranges (config_check), then the guard's own."""
+    config = Config(train=dataclasses.replace(TrainConfig(), **{field: value}))
     with pytest.raises(ConfigError, match=field.replace("on_spike", "on-spike")):
-        spike.check_config(dataclasses.replace(TrainConfig(), **{field: value}))
+        check_ranges(config)
+        spike.check_config(config.train)
 
 
 def test_the_guard_compares_with_healthy_steps_only():

@@ -228,8 +228,7 @@ def _finish(run: _Opened, state: TrainState, compile_s: float, started: float,
     if run.checkpointer is not None:
         with timeline.phase("checkpoint"):
             if result.stopped_by == "spike":  # the diverged run's checkpoints go aside
-                steps, aside = _set_aside(run.checkpointer, run.guards.spike.began)
-                run.guards.set_aside = (run.guards.set_aside[0] + steps, aside)
+                _set_aside(run.checkpointer, run.guards)
             _final_save(run.checkpointer, state, config, result)
     if run.guards.tracker.reason is not None:
         result.halt_message = nonfinite.halt_message(
@@ -382,7 +381,7 @@ def _rewind(setup: TrainSetup, checkpointer: Checkpointer | None, loader: Any,
     tc, spiked = setup.config.train, guards.spike
     if tc.on_spike != "rewind" or checkpointer is None or spiked.rewinds >= tc.max_rewinds:
         return None
-    guards.set_aside = _set_aside(checkpointer, spiked.began)
+    _set_aside(checkpointer, guards)
     state = checkpointer.restore_latest(setup)
     if state is None:
         return None
@@ -402,14 +401,16 @@ def _rewind(setup: TrainSetup, checkpointer: Checkpointer | None, loader: Any,
     return state
 
 
-def _set_aside(checkpointer: Checkpointer, began: int) -> tuple[list[int], str]:
-    """The checkpoints taken at or after step ``began`` (a spike's) moved aside, said."""
+def _set_aside(checkpointer: Checkpointer, guards: Guards) -> None:
+    """Move the checkpoints taken since the spike began aside, say so, and add them to
+    ``guards.set_aside`` (every one this run moved, for the halt line)."""
+    began = guards.spike.began
     steps, aside = checkpointer.set_aside(began)
     if steps:
         main_print(f"shardlib train: checkpoints {', '.join(map(str, steps))} were taken after "
                    f"the spike began at step {began}: moved to {aside}, out of --resume's "
                    "reach", file=sys.stderr, flush=True)
-    return steps, str(aside)
+    guards.set_aside = (guards.set_aside[0] + steps, str(aside))
 
 
 def _hand_over(checkpointer: Checkpointer | None, to_save: tuple[int, TrainState] | None,
