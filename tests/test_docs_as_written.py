@@ -7,6 +7,8 @@ import re
 import shlex
 from pathlib import Path
 
+import pytest
+
 from shardlib.cli import build_parser
 from shardlib.cli.args import config_from_args
 
@@ -65,3 +67,38 @@ def test_the_readmes_notebook_table_is_one_table_with_every_notebook():
 def _count_word(n: int) -> str:
     return ["Zero", "One", "Two", "Three", "Four", "Five", "Six", "Seven", "Eight", "Nine",
             "Ten", "Eleven", "Twelve"][n]
+
+
+def _doc_commands():
+    import sys
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from docs_commands import doc_commands
+    return doc_commands()
+
+
+DOC_COMMANDS = _doc_commands()
+CONFIG_COMMANDS = ("train", "inspect", "plan")  # the ones that build a Config from flags
+
+
+def test_the_docs_name_their_commands():
+    pages = {c.page for c in DOC_COMMANDS}
+    assert len(DOC_COMMANDS) >= 40 and {"README.md", "checkpoints.md", "lora.md"} <= pages
+    assert sum(not c.why_not for c in DOC_COMMANDS) >= 30  # most of them run on a laptop
+
+
+@pytest.mark.parametrize("command", DOC_COMMANDS, ids=lambda c: f"{c.page}:{' '.join(c.argv)[:60]}")
+def test_every_docs_command_parses_as_written(command, tmp_path, monkeypatch):
+    """Each ``shardlib`` line of the README and the how-tos parses (its subcommand and
+    flags exist); one that builds a Config builds a valid one (fields, ranges, the mesh's
+    syntax). A line the docs cannot run here (an HF checkpoint, a placeholder) is parsed
+    as far as it can be. ``experiments/docs_commands.py`` runs them."""
+    from shardlib.cli.args import join_negative_values
+
+    if "..." in command.argv or any(w.startswith("[") for w in command.argv):
+        pytest.skip(command.why_not)
+    monkeypatch.chdir(tmp_path)
+    argv = join_negative_values(list(command.argv))
+    args = build_parser().parse_args(argv)
+    if args.command in CONFIG_COMMANDS and "--init-from" not in argv \
+            and getattr(args, "data", None) is None:
+        config_from_args(args)
