@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh
 
 from shardlib.errors import ConfigError
 
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
 LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, Metrics]]
+CheckFn = Callable[["Config", Mesh], None]
+AfterStepFn = Callable[[nnx.State, Metrics], tuple[nnx.State, Metrics]]
+DecodeFn = Callable[..., jax.Array]
 
 # name -> what a model that declares it does (the message of a refusal quotes it)
 CAPABILITIES: dict[str, str] = {
@@ -56,7 +60,15 @@ class Model:
     logical dims (``batch`` for the rows, ``seq`` for a sequence, any other name, or None
     for a dim kept whole), any rank and dtype. ``units``: the attribute paths of the
     model's FSDP units (a list of submodules, or a module of stacked layers), found from
-    the model's ``nnx.List``\\ s when None."""
+    the model's ``nnx.List``\\ s when None.
+
+    The hooks through which the trainer reaches what is the model's own (None: nothing
+    to do): ``check(config, mesh)`` raises on what the model cannot run (its shape, its
+    options against the mesh) before any array is allocated; ``after_step(params,
+    metrics)`` runs after each optimizer step: the parameters it moves outside the
+    gradient and the metrics in their final form; ``decode(module, prompts_bp, lengths_b,
+    key, *, length, dtype, **sampling)`` gives new tokens after right-padded prompts
+    (the ``generate`` capability's KV-cache decoding)."""
 
     build: Callable[[nnx.Rngs], nnx.Module]
     loss: LossFn
@@ -65,6 +77,9 @@ class Model:
     name: str = "custom"
     units: tuple[tuple, ...] | None = None
     trainable: type = nnx.Param  # the variables the optimizer updates; the rest is state
+    check: CheckFn | None = None
+    after_step: AfterStepFn | None = None
+    decode: DecodeFn | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.capabilities) - set(CAPABILITIES)
@@ -89,6 +104,15 @@ class Model:
                 f"{why}: needs the model capability {capability!r} ({CAPABILITIES[capability]}),"
                 f" which model {self.name!r} does not declare; drop the option, or use a "
                 "model that declares it (the built-in GPT family declares every capability)")
+
+    def run_check(self, config: Config, mesh: Mesh) -> None:
+        """The model's own checks of the run (``check``), if it has any."""
+        if self.check is not None:
+            self.check(config, mesh)
+
+    def finish_step(self, params: nnx.State, metrics: Metrics) -> tuple[nnx.State, Metrics]:
+        """``after_step`` if the model has one, else ``params`` and ``metrics`` as they are."""
+        return (params, metrics) if self.after_step is None else self.after_step(params, metrics)
 
     def with_units(self, units: tuple[tuple, ...]) -> Model:
         return replace(self, units=units)

@@ -178,6 +178,15 @@ def probs_bytes_per_token(config: Config, sizes: Mapping[str, int],
     return config.model.num_heads / sizes.get("tensor", 1) * keys * 4
 
 
+def attention_kernel(config: Config, *, platform: str, dtype,
+                     capability: tuple[int, int] | None = None) -> str:
+    """The kernel ``attention.impl`` resolves to for ``config``'s model on ``platform``
+    (``models.attention.resolve``)."""
+    return resolve_attention(config.attention.impl, backend=platform,
+                             seq_len=config.train.seq_len, dtype=dtype,
+                             head_dim=config.model.head_dim, capability=capability)
+
+
 def attention_keys(config: Config, platform: str, compute_bytes: int) -> int:
     """Keys one query row holds scores for at once under the kernel ``attention.impl``
     resolves to on ``platform``: every key (``xla``), a block (``chunked``: the chunk;

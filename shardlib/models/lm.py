@@ -11,12 +11,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from shardlib import contract, hooks, precision
 from shardlib.config import Config
 from shardlib.errors import ConfigError
+from shardlib.mesh import capability_of, platform_of
+from shardlib.models import decode as kv_decode
+from shardlib.models.attention import check_kernel
 from shardlib.models.gpt import GPT, LAYER_STACKS
-from shardlib.models.moe import moe_objective
+from shardlib.models.moe import balance, check_moe, moe_objective
+from shardlib.models.presets import check_model
 from shardlib.sharding import compute_platform
 
 # {"inputs": (B, T) int32, "targets": (B, T) int32}, and from a packed loader optionally
@@ -80,13 +85,41 @@ def lm_loss(config: Config):
     return loss
 
 
+def check_run(config: Config, mesh: Mesh) -> None:
+    """The GPT's checks of a run: its shape, its MoE options against the mesh, and the
+    attention kernel on the mesh's platform."""
+    check_model(config.model)
+    check_moe(config.model, dict(mesh.shape))
+    check_kernel(config.attention.impl, config.attention.chunk, backend=platform_of(mesh),
+                 capability=capability_of(mesh))
+
+
+def after_step(config: Config):
+    """After an optimizer step: an MoE model's router biases moved toward balance and its
+    per-expert load reported as ``moe_load_max`` (``moe.balance``)."""
+    def finish(params: nnx.State, metrics: contract.Metrics
+               ) -> tuple[nnx.State, contract.Metrics]:
+        return balance(config.model, params, metrics)
+
+    return finish
+
+
+def decode(model: GPT, prompts_bp: jax.Array, lengths_b: jax.Array, key: jax.Array, *,
+           length: int, dtype: jnp.dtype, **sampling) -> jax.Array:
+    """New tokens (B, max_new_tokens) after right-padded prompts (B, P) from a KV cache of
+    ``length`` positions in ``dtype`` (``models.decode``; ``sampling``: its options)."""
+    cache = kv_decode.init_cache(model, prompts_bp.shape[0], length, dtype)
+    return kv_decode.decode(model, prompts_bp, lengths_b, cache, key, **sampling)
+
+
 def gpt_model(config: Config) -> contract.Model:
     """``config.model`` as a ``contract.Model``, declaring every capability."""
     cfg = config.model
     return contract.Model(
         build=lambda rngs: GPT(cfg, rngs=rngs), loss=lm_loss(config), batch=TOKEN_BATCH,
         capabilities=frozenset(contract.CAPABILITIES), name=cfg.name,
-        units=tuple((name,) for name in LAYER_STACKS), trainable=nnx.Variable)
+        units=tuple((name,) for name in LAYER_STACKS), trainable=nnx.Variable,
+        check=check_run, after_step=after_step(config), decode=decode)
 
 
 contract.register("gpt", gpt_model)

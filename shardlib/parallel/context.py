@@ -52,6 +52,13 @@ _MANUAL: contextvars.ContextVar[str | None] = contextvars.ContextVar("shardlib_c
                                                                     default=None)
 
 
+def local_kernel(kernel: str, chunk: int) -> contextlib.AbstractContextManager[None]:
+    """Within this block (while tracing) the local attention, the model's and each
+    context-parallel block's, runs ``kernel`` (``attention.impl``) in ``chunk``-sized
+    pieces (``models.attention.using_kernel``)."""
+    return attention.using_kernel(kernel, chunk)
+
+
 @contextlib.contextmanager
 def context_parallel(method: str) -> Iterator[None]:
     """Within this block (while tracing), attention uses ``method`` over ``sequence``."""

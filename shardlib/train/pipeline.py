@@ -59,7 +59,6 @@ from jax.sharding import PartitionSpec
 
 from shardlib import hooks, precision
 from shardlib.config import Config
-from shardlib.models.attention import using_kernel
 from shardlib.parallel import context, fsdp, tensor
 from shardlib.train import pipeline_chunks
 from shardlib.train import pipeline_schedule as ticks
@@ -252,7 +251,7 @@ def layer_strategies(config: Config, sizes: Mapping[str, int]) -> contextlib.Exi
     the context-parallel attention over ``sequence``; the attention kernel
     ``attention.impl``."""
     stack = contextlib.ExitStack()
-    stack.enter_context(using_kernel(config.attention.impl, config.attention.chunk))
+    stack.enter_context(context.local_kernel(config.attention.impl, config.attention.chunk))
     if sizes.get(SEQ_AXIS, 1) > 1:
         stack.enter_context(context.manual_context_parallel(config.attention.context_parallel))
     if config.model.num_experts:
