@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import nnx
@@ -34,6 +34,7 @@ LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, Metrics]]
 CheckFn = Callable[["Config", Mesh], None]
 AfterStepFn = Callable[[nnx.State, Metrics], tuple[nnx.State, Metrics]]
 DecodeFn = Callable[..., jax.Array]
+StageFn = Callable[..., Any]  # (config, graphdef, policy, *, gathers, keep) -> a stage stack
 
 # name -> what a model that declares it does (the message of a refusal quotes it)
 CAPABILITIES: dict[str, str] = {
@@ -68,7 +69,9 @@ class Model:
     metrics)`` runs after each optimizer step: the parameters it moves outside the
     gradient and the metrics in their final form; ``decode(module, prompts_bp, lengths_b,
     key, *, length, dtype, **sampling)`` gives new tokens after right-padded prompts
-    (the ``generate`` capability's KV-cache decoding)."""
+    (the ``generate`` capability's KV-cache decoding); ``pipeline_stage(config,
+    graphdef, policy, *, gathers, keep)`` gives the ``pipeline`` capability's stage stack
+    (what one stage computes inside the schedule, ``shardlib.train.pipeline``)."""
 
     build: Callable[[nnx.Rngs], nnx.Module]
     loss: LossFn
@@ -80,6 +83,7 @@ class Model:
     check: CheckFn | None = None
     after_step: AfterStepFn | None = None
     decode: DecodeFn | None = None
+    pipeline_stage: StageFn | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.capabilities) - set(CAPABILITIES)
@@ -130,6 +134,20 @@ def batch_logical(dims: tuple[str | None, ...]) -> tuple[str | None, ...]:
 def has_sequence(model: Model) -> bool:
     """Whether a batch array has a ``seq`` dim (the loop then counts tokens)."""
     return any("seq" in dims for dims in model.batch.values())
+
+
+# --- the pipeline capability: a model whose trained state stacks its layers under "blocks"
+
+def split_blocks(state: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """(the stacked layers' part ``blocks``, everything else) of a model-shaped state."""
+    raw = state.raw_mapping
+    return state["blocks"], nnx.State({key: value for key, value in raw.items()
+                                       if key != "blocks"})
+
+
+def join_blocks(blocks: nnx.State, rest: nnx.State) -> nnx.State:
+    """Inverse of ``split_blocks``."""
+    return nnx.State({**rest.raw_mapping, "blocks": blocks.raw_mapping})
 
 
 # --- the registry of built-in families ---------------------------------------------------
