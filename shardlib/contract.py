@@ -40,12 +40,14 @@ StageFn = Callable[..., Any]  # (config, graphdef, policy, *, gathers, keep) -> 
 CAPABILITIES: dict[str, str] = {
     "megatron": "explicit Megatron TP/SP: layers call hooks.enter_region / exit_region and "
                 "the loss is vocab-parallel (hooks.cross_entropy)",
-    "pipeline": "pipeline stages over a stacked layer axis (shardlib.train.pipeline)",
+    "pipeline": "pipeline stages over a stacked layer axis (shardlib.train.pipeline; "
+                "the stage stack is the model's pipeline_stage)",
     "context_parallel": "attention through hooks.attention (ring, Ulysses, all-gather)",
     "experts": "mixture-of-experts layers that dispatch through hooks (expert parallelism)",
     "gathers_units": "the model gathers each FSDP unit's weights itself (hooks.gather_weights)",
     "tokens": "a token language model: tokens/s, text data, bits per byte",
-    "generate": "text generation (shardlib.train.generate)",
+    "generate": "text generation (shardlib.train.generate; KV-cache decoding is the "
+                "model's decode)",
     "hf": "Hugging Face checkpoints in and out (shardlib.interop.hf)",
     "planner": "the planner's analytic time and memory model (a ModelConfig shape)",
 }

@@ -27,8 +27,7 @@ from shardlib.analysis.flops import FlopsReport, flops_report, xla_flops
 from shardlib.analysis.hlo import Collective, comm_bytes_per_device, parse_collectives
 from shardlib.analysis.kernels import KernelFacts, compiled_attention, kernel_facts
 from shardlib.analysis.memory import MemoryReport, memory_report, state_bytes
-from shardlib.analysis.peak import PeakTerms, peak_terms
-from shardlib.analysis.peak import attention_kernel as peak_attention_kernel
+from shardlib.analysis.peak import PeakTerms, peak_terms, resolved_kernel
 from shardlib.analysis.tables import rules_line, sharding_table
 from shardlib.analysis.theory import Term, comm_bytes, state_bytes_per_device
 from shardlib.analysis.tree import gathered_bytes, tree_comm_terms, tree_peak_terms
@@ -214,8 +213,8 @@ def attention_kernel(setup: TrainSetup) -> str:
     method = setup.config.attention.context_parallel
     if setup.sizes.get("sequence", 1) > 1 and method in CONTEXT_KERNELS:
         return CONTEXT_KERNELS[method]
-    return peak_attention_kernel(setup.config, platform=platform_of(setup.mesh),
-                                 dtype=setup.policy.compute, capability=capability_of(setup.mesh))
+    return resolved_kernel(setup.config, platform=platform_of(setup.mesh),
+                           dtype=setup.policy.compute, capability=capability_of(setup.mesh))
 
 
 def gather_bytes(setup: TrainSetup) -> int:

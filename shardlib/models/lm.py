@@ -15,9 +15,7 @@ from jax.sharding import Mesh
 
 from shardlib import contract, precision
 from shardlib.config import Config
-from shardlib.mesh import capability_of, platform_of
 from shardlib.models import decode as kv_decode
-from shardlib.models.attention import check_kernel
 from shardlib.models.gpt import GPT, LAYER_STACKS
 from shardlib.models.head import head_losses
 from shardlib.models.moe import balance, check_moe, moe_objective
@@ -49,12 +47,9 @@ def lm_loss(config: Config):
 
 
 def check_run(config: Config, mesh: Mesh) -> None:
-    """The GPT's checks of a run: its shape, its MoE options against the mesh, and the
-    attention kernel on the mesh's platform."""
+    """The GPT's checks of a run: its shape and its MoE options against the mesh."""
     check_model(config.model)
     check_moe(config.model, dict(mesh.shape))
-    check_kernel(config.attention.impl, config.attention.chunk, backend=platform_of(mesh),
-                 capability=capability_of(mesh))
 
 
 def after_step(config: Config):

@@ -23,7 +23,12 @@ from shardlib.contract import Model
 from shardlib.errors import ConfigError
 from shardlib.mesh import MESH_AXES, make_mesh, platform_of, resolve_degrees
 from shardlib.models import lora
-from shardlib.parallel.context import auto_note, check_context_parallel, resolve_method
+from shardlib.parallel.context import (
+    auto_note,
+    check_context_parallel,
+    check_local_kernel,
+    resolve_method,
+)
 from shardlib.parallel.units import find_units
 from shardlib.precision import LossScale
 from shardlib.precision import resolve as resolve_policy
@@ -131,11 +136,12 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None, *,
         model = lora.with_lora(model, config.lora, policy.compute)
     mesh = make_mesh(mesh_degrees(config, len(devices)), devices)
     sizes = dict(mesh.shape)
+    model.run_check(config, mesh)  # the model's own (the GPT's: its shape, its MoE options)
     config, notes = resolve_context_parallel(config, sizes, model)
     check_capabilities(config, sizes, model)
-    model.run_check(config, mesh)  # the model's own: the GPT's shape, MoE, attention kernel
     if model.has("planner"):
         check_builtin(config, sizes)
+    check_local_kernel(config.attention.impl, config.attention.chunk, mesh)
     comm_lib.check_comm(config.comm, sizes, zero=config.mesh.zero,
                         loss_scaling=policy.loss_scaling)
     rules = sharding.make_rules(config.mesh, sizes, config.rules)
