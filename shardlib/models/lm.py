@@ -1,6 +1,9 @@
 """The GPT family as a ``contract.Model``: its module factory, its language-model loss
-(next-token cross-entropy, vocab-parallel under Megatron TP, in sequence slices with
-``model.loss_chunks``, plus the MoE router losses) and its token batch layout.
+(next-token cross-entropy through the head of ``models.head``, vocab-parallel under
+Megatron TP, plus the MoE router losses), its token batch layout, and the hooks through
+which the trainer reaches what is the GPT's own: its checks, the MoE router biases'
+step, KV-cache decoding (``models.decode``) and the pipeline's stage stack
+(``models.pipeline_stage``).
 
 The trainer reaches it only through the contract (``contract.builtin``): this module
 registers it there under the name ``gpt``.
