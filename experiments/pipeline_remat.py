@@ -37,9 +37,9 @@ from shardlib.config import (  # noqa: E402
     PipelineConfig,
     TrainConfig,
 )
+from shardlib.models.pipeline_stage import Stage  # noqa: E402
 from shardlib.train import pipeline, pipeline_check  # noqa: E402
 from shardlib.train.pipeline_schedule import build  # noqa: E402
-from shardlib.train.pipeline_stage import Stage  # noqa: E402
 from shardlib.train.state import build_setup, init_state  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh
 
 from shardlib.errors import ConfigError
 
@@ -30,17 +31,23 @@ if TYPE_CHECKING:
 Batch = dict[str, jax.Array]
 Metrics = dict[str, jax.Array]
 LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, Metrics]]
+CheckFn = Callable[["Config", Mesh], None]
+AfterStepFn = Callable[[nnx.State, Metrics], tuple[nnx.State, Metrics]]
+DecodeFn = Callable[..., jax.Array]
+StageFn = Callable[..., Any]  # (config, graphdef, policy, *, gathers, keep) -> a stage stack
 
 # name -> what a model that declares it does (the message of a refusal quotes it)
 CAPABILITIES: dict[str, str] = {
     "megatron": "explicit Megatron TP/SP: layers call hooks.enter_region / exit_region and "
                 "the loss is vocab-parallel (hooks.cross_entropy)",
-    "pipeline": "pipeline stages over a stacked layer axis (shardlib.train.pipeline)",
+    "pipeline": "pipeline stages over a stacked layer axis (shardlib.train.pipeline; "
+                "the stage stack is the model's pipeline_stage)",
     "context_parallel": "attention through hooks.attention (ring, Ulysses, all-gather)",
     "experts": "mixture-of-experts layers that dispatch through hooks (expert parallelism)",
     "gathers_units": "the model gathers each FSDP unit's weights itself (hooks.gather_weights)",
     "tokens": "a token language model: tokens/s, text data, bits per byte",
-    "generate": "text generation (shardlib.train.generate)",
+    "generate": "text generation (shardlib.train.generate; KV-cache decoding is the "
+                "model's decode)",
     "hf": "Hugging Face checkpoints in and out (shardlib.interop.hf)",
     "planner": "the planner's analytic time and memory model (a ModelConfig shape)",
 }
@@ -56,7 +63,17 @@ class Model:
     logical dims (``batch`` for the rows, ``seq`` for a sequence, any other name, or None
     for a dim kept whole), any rank and dtype. ``units``: the attribute paths of the
     model's FSDP units (a list of submodules, or a module of stacked layers), found from
-    the model's ``nnx.List``\\ s when None."""
+    the model's ``nnx.List``\\ s when None.
+
+    The hooks through which the trainer reaches what is the model's own (None: nothing
+    to do): ``check(config, mesh)`` raises on what the model cannot run (its shape, its
+    options against the mesh) before any array is allocated; ``after_step(params,
+    metrics)`` runs after each optimizer step: the parameters it moves outside the
+    gradient and the metrics in their final form; ``decode(module, prompts_bp, lengths_b,
+    key, *, length, dtype, **sampling)`` gives new tokens after right-padded prompts
+    (the ``generate`` capability's KV-cache decoding); ``pipeline_stage(config,
+    graphdef, policy, *, gathers, keep)`` gives the ``pipeline`` capability's stage stack
+    (what one stage computes inside the schedule, ``shardlib.train.pipeline``)."""
 
     build: Callable[[nnx.Rngs], nnx.Module]
     loss: LossFn
@@ -65,6 +82,10 @@ class Model:
     name: str = "custom"
     units: tuple[tuple, ...] | None = None
     trainable: type = nnx.Param  # the variables the optimizer updates; the rest is state
+    check: CheckFn | None = None
+    after_step: AfterStepFn | None = None
+    decode: DecodeFn | None = None
+    pipeline_stage: StageFn | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.capabilities) - set(CAPABILITIES)
@@ -90,6 +111,15 @@ class Model:
                 f" which model {self.name!r} does not declare; drop the option, or use a "
                 "model that declares it (the built-in GPT family declares every capability)")
 
+    def run_check(self, config: Config, mesh: Mesh) -> None:
+        """The model's own checks of the run (``check``), if it has any."""
+        if self.check is not None:
+            self.check(config, mesh)
+
+    def finish_step(self, params: nnx.State, metrics: Metrics) -> tuple[nnx.State, Metrics]:
+        """``after_step`` if the model has one, else ``params`` and ``metrics`` as they are."""
+        return (params, metrics) if self.after_step is None else self.after_step(params, metrics)
+
     def with_units(self, units: tuple[tuple, ...]) -> Model:
         return replace(self, units=units)
 
@@ -106,6 +136,20 @@ def batch_logical(dims: tuple[str | None, ...]) -> tuple[str | None, ...]:
 def has_sequence(model: Model) -> bool:
     """Whether a batch array has a ``seq`` dim (the loop then counts tokens)."""
     return any("seq" in dims for dims in model.batch.values())
+
+
+# --- the pipeline capability: a model whose trained state stacks its layers under "blocks"
+
+def split_blocks(state: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """(the stacked layers' part ``blocks``, everything else) of a model-shaped state."""
+    raw = state.raw_mapping
+    return state["blocks"], nnx.State({key: value for key, value in raw.items()
+                                       if key != "blocks"})
+
+
+def join_blocks(blocks: nnx.State, rest: nnx.State) -> nnx.State:
+    """Inverse of ``split_blocks``."""
+    return nnx.State({**rest.raw_mapping, "blocks": blocks.raw_mapping})
 
 
 # --- the registry of built-in families ---------------------------------------------------

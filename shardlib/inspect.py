@@ -27,7 +27,7 @@ from shardlib.analysis.flops import FlopsReport, flops_report, xla_flops
 from shardlib.analysis.hlo import Collective, comm_bytes_per_device, parse_collectives
 from shardlib.analysis.kernels import KernelFacts, compiled_attention, kernel_facts
 from shardlib.analysis.memory import MemoryReport, memory_report, state_bytes
-from shardlib.analysis.peak import PeakTerms, peak_terms
+from shardlib.analysis.peak import PeakTerms, peak_terms, resolved_kernel
 from shardlib.analysis.tables import rules_line, sharding_table
 from shardlib.analysis.theory import Term, comm_bytes, state_bytes_per_device
 from shardlib.analysis.tree import gathered_bytes, tree_comm_terms, tree_peak_terms
@@ -35,7 +35,6 @@ from shardlib.config import Config, to_dict
 from shardlib.contract import Model
 from shardlib.errors import OutOfMemoryError
 from shardlib.mesh import capability_of, describe, platform_of
-from shardlib.models.attention import resolve as resolve_attention
 from shardlib.parallel import tensor
 from shardlib.target import Target, parse_target
 from shardlib.train.objective import explicit_fsdp_applies
@@ -211,14 +210,11 @@ CONTEXT_KERNELS = {"ring": "chunked", "allgather": "xla"}  # what these methods 
 def attention_kernel(setup: TrainSetup) -> str:
     """The kernel ``attention.impl`` resolves to on the setup's platform (ring and
     all-gather context parallelism run their own, whatever ``attention.impl`` says)."""
-    cfg, model = setup.config, setup.config.model
-    method = cfg.attention.context_parallel
+    method = setup.config.attention.context_parallel
     if setup.sizes.get("sequence", 1) > 1 and method in CONTEXT_KERNELS:
         return CONTEXT_KERNELS[method]
-    return resolve_attention(cfg.attention.impl, backend=platform_of(setup.mesh),
-                             seq_len=cfg.train.seq_len, dtype=setup.policy.compute,
-                             head_dim=model.head_dim,
-                             capability=capability_of(setup.mesh))
+    return resolved_kernel(setup.config, platform=platform_of(setup.mesh),
+                           dtype=setup.policy.compute, capability=capability_of(setup.mesh))
 
 
 def gather_bytes(setup: TrainSetup) -> int:

@@ -216,6 +216,20 @@ def test_train_package_is_importable_and_callable():
     assert callable(shardlib.train) and state_module.build_setup is build_setup
 
 
+def test_what_is_the_gpts_reaches_the_trainer_as_its_models_hooks():
+    """Issue 43, part 8: the GPT's checks, router-bias step, decoding and stage stack are
+    hooks on its ``Model``; a model without them runs as before (nothing to do)."""
+    from shardlib.models import gpt_model
+
+    gpt = gpt_model(Config())
+    assert None not in (gpt.check, gpt.after_step, gpt.decode, gpt.pipeline_stage)
+    metrics = {"loss": np.float32(1.0)}
+    assert gpt.finish_step("params", metrics) == ("params", metrics)  # dense: no biases
+    user = vit()
+    assert (user.check, user.after_step, user.decode, user.pipeline_stage) == (None,) * 4
+    assert user.finish_step("params", metrics) == ("params", metrics)
+
+
 @pytest.mark.parametrize("mesh", ["data=8", "fsdp=8", "data=2,fsdp=4"])
 def test_inspect_holds_a_user_model_to_its_tree_theory(mesh):
     """``inspect`` on the ViT: the collectives per axis equal the theory computed from

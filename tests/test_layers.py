@@ -160,6 +160,48 @@ def test_no_function_local_imports_outside_the_cli(found):
     assert found[3] == []
 
 
+# Issue 43, part 8 (the house follows): the model is a parameter, not an import. These
+# modules reach a model only through ``shardlib.contract`` (the GPT's own pieces are its
+# ``Model``'s hooks), so none imports ``shardlib.models``.
+MODEL_FREE = ("shardlib.train", "shardlib.run", "shardlib.inspect", "shardlib.planner.tree",
+              "shardlib.planner.memory_plan", "shardlib.planner.verdict")
+MODEL_IMPORTS_ALLOWED = {  # (module, imported): why
+    ("shardlib.train.state", "shardlib.models.lora"):
+        "LoRA is a transform of any contract.Model (its modules wrapped by path), not the "
+        "GPT; it stays in models/ while other branches edit it (FLOORPLAN: models/ or a "
+        "tune/ room above it)",
+}
+
+
+def test_trainer_runner_inspect_and_memory_planner_import_no_model():
+    files = {module_name(p): p for p in ROOT.rglob("*.py")}
+    found = []
+    for module, path in files.items():
+        if not any(module == head or module.startswith(head + ".") for head in MODEL_FREE):
+            continue
+        for target, names, _ in imports(path):
+            for dep in resolve(target, names, set(files)):
+                if (dep == "shardlib.models" or dep.startswith("shardlib.models.")) \
+                        and (module, dep) not in MODEL_IMPORTS_ALLOWED:
+                    found.append(f"{module} -> {dep}")
+    assert found == []
+
+
+def test_the_train_package_is_a_package_and_the_training_function(monkeypatch):
+    """``shardlib.train(config)`` calls the loop's ``train``, while ``import
+    shardlib.train.state`` and ``from shardlib.train import step`` reach the package's
+    modules (the package no longer shadowed by the function)."""
+    import shardlib
+    import shardlib.run.loop as loop
+    import shardlib.train.state as state_module
+    from shardlib.train import step
+
+    monkeypatch.setattr(loop, "train", lambda config, **kw: ("trained", config, kw))
+    assert shardlib.train("config", model="m") == ("trained", "config", {"model": "m"})
+    assert state_module.build_setup is shardlib.build_setup
+    assert step.make_train_step is shardlib.make_train_step
+
+
 def test_every_public_function_and_class_has_a_docstring():
     """Issue 21, part 5: what and why in a line or two, for every public name."""
     missing = []

@@ -21,9 +21,9 @@ import pytest
 from shardlib.config import Config, MeshConfig, PipelineConfig, apply_overrides
 from shardlib.errors import ConfigError
 from shardlib.inspect import abstract_batch
+from shardlib.models.pipeline_stage import Stage
 from shardlib.train import pipeline
 from shardlib.train.pipeline_schedule import BWD, FWD, WGT, build
-from shardlib.train.pipeline_stage import Stage
 from shardlib.train.state import abstract_state, build_setup
 from tests.helpers import relative_error
 from tests.test_pipeline import (

@@ -178,14 +178,22 @@ def probs_bytes_per_token(config: Config, sizes: Mapping[str, int],
     return config.model.num_heads / sizes.get("tensor", 1) * keys * 4
 
 
+def resolved_kernel(config: Config, *, platform: str, dtype,
+                    capability: tuple[int, int] | None = None) -> str:
+    """The kernel ``attention.impl`` resolves to for ``config``'s model on ``platform``
+    (``models.attention.resolve``)."""
+    return resolve_attention(config.attention.impl, backend=platform,
+                             seq_len=config.train.seq_len, dtype=dtype,
+                             head_dim=config.model.head_dim, capability=capability)
+
+
 def attention_keys(config: Config, platform: str, compute_bytes: int) -> int:
     """Keys one query row holds scores for at once under the kernel ``attention.impl``
     resolves to on ``platform``: every key (``xla``), a block (``chunked``: the chunk;
     ``splash``: its 128-block), none beyond a log-sum-exp (``cudnn``)."""
     seq = config.train.seq_len
-    kernel = resolve_attention(config.attention.impl, backend=platform, seq_len=seq,
-                               dtype=jnp.bfloat16 if compute_bytes == 2 else jnp.float32,
-                               head_dim=config.model.head_dim)
+    kernel = resolved_kernel(config, platform=platform,
+                             dtype=jnp.bfloat16 if compute_bytes == 2 else jnp.float32)
     return {"xla": seq, "chunked": min(config.attention.chunk, seq),
             "splash": min(SPLASH_BLOCK, seq)}.get(kernel, 0)
 

@@ -1,6 +1,9 @@
 """The GPT family as a ``contract.Model``: its module factory, its language-model loss
-(next-token cross-entropy, vocab-parallel under Megatron TP, in sequence slices with
-``model.loss_chunks``, plus the MoE router losses) and its token batch layout.
+(next-token cross-entropy through the head of ``models.head``, vocab-parallel under
+Megatron TP, plus the MoE router losses), its token batch layout, and the hooks through
+which the trainer reaches what is the GPT's own: its checks, the MoE router biases'
+step, KV-cache decoding (``models.decode``) and the pipeline's stage stack
+(``models.pipeline_stage``).
 
 The trainer reaches it only through the contract (``contract.builtin``): this module
 registers it there under the name ``gpt``.
@@ -11,55 +14,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
-from shardlib import contract, hooks, precision
+from shardlib import contract, precision
 from shardlib.config import Config
-from shardlib.errors import ConfigError
+from shardlib.models import decode as kv_decode
 from shardlib.models.gpt import GPT, LAYER_STACKS
-from shardlib.models.moe import moe_objective
+from shardlib.models.head import head_losses
+from shardlib.models.moe import balance, check_moe, moe_objective
+from shardlib.models.pipeline_stage import pipeline_stage
+from shardlib.models.presets import check_model
 from shardlib.sharding import compute_platform
 
 # {"inputs": (B, T) int32, "targets": (B, T) int32}, and from a packed loader optionally
 # "segment_ids" and "positions" (B, T) int32 (see models.attention.packed_documents)
 TOKEN_BATCH = {"inputs": ("batch", "seq"), "targets": ("batch", "seq")}
-
-
-def target_logit(logits_btv: jax.Array, ids_bt: jax.Array) -> jax.Array:
-    """``logits_btv[b, t, ids_bt[b, t]]`` (B, T) as a one-hot sum (see
-    ``parallel.tensor.target_logit``, which the installed hook uses)."""
-    vocab_v = jnp.arange(logits_btv.shape[-1], dtype=ids_bt.dtype)
-    return jnp.sum(jnp.where(vocab_v == ids_bt[..., None], logits_btv, 0), axis=-1)
-
-
-def token_cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array) -> jax.Array:
-    """Per-token cross-entropy (B, T) on whole logits."""
-    return jax.nn.logsumexp(logits_btv, axis=-1) - target_logit(logits_btv, targets_bt)
-
-
-def head_losses(model: nnx.Module, x_btd: jax.Array, targets_bt: jax.Array,
-                output_dtype: jnp.dtype, chunks: int) -> jax.Array:
-    """Per-token cross-entropy (B, T) of the LM head on the last block's output, vocab-parallel
-    under TP. With ``chunks`` > 1 the head runs on strided slices of the sequence in a loop,
-    one slice's logits alive at a time and recomputed in the backward (the head's gradient
-    is summed over slices in the compute dtype)."""
-    def slice_losses(x_bcd: jax.Array, targets_bc: jax.Array) -> jax.Array:
-        logits_bcv = model.head(x_bcd).astype(output_dtype)
-        return hooks.cross_entropy(logits_bcv, targets_bc, local=token_cross_entropy)
-
-    if chunks == 1:
-        return slice_losses(x_btd, targets_bt)
-    (b, t_x, d), t = x_btd.shape, targets_bt.shape[1]
-    if t_x % chunks:
-        raise ConfigError(f"model.loss_chunks={chunks} does not divide this device's "
-                          f"{t_x} positions per sequence; fix: a divisor of {t_x}")
-    # slice n holds positions i * chunks + n: each slice spans every shard of a sequence-
-    # sharded T. Under SP the head gathers T over tensor (r = t / t_x shards, in order).
-    r = t // t_x
-    x_nbcd = jnp.moveaxis(x_btd.reshape(b, t_x // chunks, chunks, d), 2, 0)
-    targets_nbc = jnp.moveaxis(targets_bt.reshape(b, r, t_x // chunks, chunks), 3, 0)
-    losses_nbc = jax.lax.map(lambda xt: jax.checkpoint(slice_losses)(*xt),
-                             (x_nbcd, targets_nbc.reshape(chunks, b, -1)))
-    return jnp.moveaxis(losses_nbc.reshape(chunks, b, r, t_x // chunks), 0, 3).reshape(b, t)
 
 
 def lm_loss(config: Config):
@@ -80,13 +49,39 @@ def lm_loss(config: Config):
     return loss
 
 
+def check_run(config: Config, mesh: Mesh) -> None:
+    """The GPT's checks of a run: its shape and its MoE options against the mesh."""
+    check_model(config.model)
+    check_moe(config.model, dict(mesh.shape))
+
+
+def after_step(config: Config):
+    """After an optimizer step: an MoE model's router biases moved toward balance and its
+    per-expert load reported as ``moe_load_max`` (``moe.balance``)."""
+    def finish(params: nnx.State, metrics: contract.Metrics
+               ) -> tuple[nnx.State, contract.Metrics]:
+        return balance(config.model, params, metrics)
+
+    return finish
+
+
+def decode(model: GPT, prompts_bp: jax.Array, lengths_b: jax.Array, key: jax.Array, *,
+           length: int, dtype: jnp.dtype, **sampling) -> jax.Array:
+    """New tokens (B, max_new_tokens) after right-padded prompts (B, P) from a KV cache of
+    ``length`` positions in ``dtype`` (``models.decode``; ``sampling``: its options)."""
+    cache = kv_decode.init_cache(model, prompts_bp.shape[0], length, dtype)
+    return kv_decode.decode(model, prompts_bp, lengths_b, cache, key, **sampling)
+
+
 def gpt_model(config: Config) -> contract.Model:
     """``config.model`` as a ``contract.Model``, declaring every capability."""
     cfg = config.model
     return contract.Model(
         build=lambda rngs: GPT(cfg, rngs=rngs), loss=lm_loss(config), batch=TOKEN_BATCH,
         capabilities=frozenset(contract.CAPABILITIES), name=cfg.name,
-        units=tuple((name,) for name in LAYER_STACKS), trainable=nnx.Variable)
+        units=tuple((name,) for name in LAYER_STACKS), trainable=nnx.Variable,
+        check=check_run, after_step=after_step(config), decode=decode,
+        pipeline_stage=pipeline_stage)
 
 
 contract.register("gpt", gpt_model)

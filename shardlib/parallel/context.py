@@ -38,6 +38,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from shardlib import sharding
 from shardlib.errors import ConfigError, ShardingError
+from shardlib.mesh import capability_of, platform_of
 from shardlib.models import attention, flash
 
 AXIS = "sequence"
@@ -50,6 +51,20 @@ Stats = tuple[jax.Array, jax.Array]  # (o_bthk normalised, lse_bth): one block's
 _METHOD: contextvars.ContextVar[str] = contextvars.ContextVar("shardlib_cp", default="none")
 _MANUAL: contextvars.ContextVar[str | None] = contextvars.ContextVar("shardlib_cp_manual",
                                                                     default=None)
+
+
+def check_local_kernel(kernel: str, chunk: int, mesh: Mesh) -> None:
+    """Raise if the local attention kernel ``kernel`` cannot run on ``mesh``'s devices
+    (``models.attention.check_kernel``), before anything compiles."""
+    attention.check_kernel(kernel, chunk, backend=platform_of(mesh),
+                           capability=capability_of(mesh))
+
+
+def local_kernel(kernel: str, chunk: int) -> contextlib.AbstractContextManager[None]:
+    """Within this block (while tracing) the local attention, the model's and each
+    context-parallel block's, runs ``kernel`` (``attention.impl``) in ``chunk``-sized
+    pieces (``models.attention.using_kernel``)."""
+    return attention.using_kernel(kernel, chunk)
 
 
 @contextlib.contextmanager

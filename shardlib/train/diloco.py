@@ -23,7 +23,6 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardlib.config import CommConfig
-from shardlib.models import moe
 from shardlib.train import comm
 from shardlib.train.setup import TrainSetup, TrainState
 
@@ -153,7 +152,9 @@ def diloco_step(setup: TrainSetup, state: TrainState, batch: dict,
                            comm=comm.CommState(ef=None, diloco=new_d))
     slow = setup.sizes[setup.config.comm.slow_axis]
     metrics.pop("loss_total")
-    _, metrics = moe.take_load(metrics)  # MoE: the per-expert load as moe_load_max
+    # the model's final metrics (MoE: the per-expert load as moe_load_max); its parameter
+    # moves are refused under DiLoCo (train.state.check_builtin: moe_bias_rate)
+    _, metrics = setup.model.finish_step(state.params, metrics)
     return new_state, {
         "grad_norm": optax.tree.norm(grads_s) / jnp.sqrt(jnp.float32(slow)), "lr": lr,
         "loss_scale": state.loss_scale.scale, "skipped_steps": state.loss_scale.skipped,

@@ -3,8 +3,9 @@
 ``generate``: a sliding window of ``seq_len`` tokens runs through the model once per new
 token (no KV cache: the same compiled shapes and shardings as the train step; the
 reference). One row per batch shard, so every device works on its own sample.
-``generate_cached``: prefill + one-token steps over a KV cache (``models.decode``), a
-batch of prompts of different lengths, cache sharded like the activations.
+``generate_cached``: prefill + one-token steps over a KV cache (the model's ``decode``,
+for the ``generate`` capability: the GPT's is ``models.decode``), a batch of prompts of
+different lengths, cache sharded like the activations.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardlib.models.decode import decode, init_cache
+from shardlib.errors import ConfigError
 from shardlib.sharding import activation_rules
 from shardlib.train.state import TrainSetup
 
@@ -99,6 +100,11 @@ def compile_generate_cached(setup: TrainSetup, params: nnx.State, prompts: list[
                             ) -> Callable[[nnx.State, int], list[list[int]]]:
     """``generate_cached`` compiled ahead of time: a function of (params, seed) that only
     runs (a benchmark times decoding apart from compiling)."""
+    setup.model.require("generate", "generate_cached")
+    decode = setup.model.decode
+    if decode is None:
+        raise ConfigError(f"generate_cached: model {setup.model.name!r} declares 'generate' "
+                          "but gives no decode; pass Model(decode=...)")
     rows = len(prompts)
     shards = _shards(setup, dim=0)
     batch = -(-rows // shards) * shards
@@ -113,10 +119,10 @@ def compile_generate_cached(setup: TrainSetup, params: nnx.State, prompts: list[
     def run(params: nnx.State, prompts_bp: jax.Array, lengths_b: jax.Array, key: jax.Array):
         with activation_rules(setup.mesh, setup.rules):
             model = nnx.merge(setup.graphdef, params)
-            cache = init_cache(model, batch, width + max_new_tokens, model_dtype)
-            return decode(model, prompts_bp, lengths_b, cache, key,
-                          max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_k=top_k, top_p=top_p, stop_tokens=stop_tokens)
+            return decode(model, prompts_bp, lengths_b, key, length=width + max_new_tokens,
+                          dtype=model_dtype, max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_k=top_k, top_p=top_p,
+                          stop_tokens=stop_tokens)
 
     place = lambda x: jax.device_put(x, NamedSharding(setup.mesh, PartitionSpec(
         *setup.batch_sharding.spec[:1])))

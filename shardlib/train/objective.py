@@ -16,7 +16,6 @@ from flax import nnx
 
 from shardlib import precision
 from shardlib.contract import Batch, Metrics
-from shardlib.models.attention import using_kernel
 from shardlib.parallel import context, fsdp, tensor, units
 from shardlib.sharding import Rules, activation_rules
 from shardlib.train.setup import TrainSetup
@@ -46,7 +45,7 @@ def run_model_loss(setup: TrainSetup, rules: Rules, params: nnx.State, batch: Ba
     model, attn = setup.model, setup.config.attention
     own = () if model.has("gathers_units") else model.units
     with (activation_rules(setup.mesh, rules), context.context_parallel(attn.context_parallel),
-          using_kernel(attn.impl, attn.chunk),
+          context.local_kernel(attn.impl, attn.chunk),
           units.per_unit(module, own, setup.config.model.remat)):
         objective, metrics = model.loss(module, batch)
     new_state = None if model_state is None else nnx.state(module, nnx.Not(model.trainable))

@@ -26,7 +26,8 @@ recomputing the stage (or reading its tape): the schedule trades that for a thir
 Under interleaved 1F1B each device runs ``V`` chunks of layers (``pipeline_chunks`` deals
 them from the stored layout each step) and activations go round the devices ``V`` times.
 
-Every other axis acts inside a stage as in the plain step (``train.pipeline_stage``):
+What a stage computes is the model's (``contract.Model.pipeline_stage``; the GPT's is
+``models.pipeline_stage``). Every other axis acts inside a stage as in the plain step:
 ``tensor`` runs Megatron TP/SP by hand (``parallel.tensor``, untyped: the step
 differentiates inside the map), ``sequence`` the local form of Ulysses or all-gather
 attention (``parallel.context``), each on this device's slice; an MoE stage adds its
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -59,8 +61,8 @@ from jax.sharding import PartitionSpec
 
 from shardlib import hooks, precision
 from shardlib.config import Config
-from shardlib.models.attention import using_kernel
-from shardlib.parallel import context, fsdp, tensor
+from shardlib.errors import ConfigError
+from shardlib.parallel import context, fsdp, moe_manual, tensor
 from shardlib.train import pipeline_chunks
 from shardlib.train import pipeline_schedule as ticks
 from shardlib.train.pipeline_check import (
@@ -71,15 +73,13 @@ from shardlib.train.pipeline_check import (
     resolve_microbatches,
 )
 from shardlib.train.pipeline_schedule import BWD, FWD, IDLE, Schedule, build
-from shardlib.train.pipeline_stage import (
-    Layouts,
-    Microbatch,
-    Parts,
-    Stage,
-    manual_experts,
-    zero_parts,
-)
 from shardlib.train.setup import TrainSetup
+
+# one microbatch: "inputs", "targets" (b, T) and, when packed, "segment_ids", "positions"
+Microbatch = dict[str, jax.Array]
+Parts = dict[str, jax.Array]  # scalar loss parts: "loss" and an MoE model's router metrics
+Stage = Any  # the model's stage stack (``contract.Model.pipeline_stage``)
+Layouts = Any  # a kept forward's tape layouts (the stage's own)
 
 
 def tables(schedule: Schedule) -> np.ndarray:
@@ -246,13 +246,25 @@ def with_positions(batch: dict[str, jax.Array], sizes: Mapping[str, int]
     return {**batch, "positions": positions_bt}
 
 
+def manual_experts(config: Config, sizes: Mapping[str, int]
+                   ) -> contextlib.AbstractContextManager[None]:
+    """The experts' strategy inside the stages (``parallel.moe_manual``): expert-parallel
+    with ``expert`` > 1; router statistics averaged over the axes that split every row
+    (``sequence``, whose devices each count their objective, and ``tensor`` under SP,
+    whose devices hold copies of it)."""
+    counted = ("sequence",) if sizes.get("sequence", 1) > 1 else ()
+    sp = ("tensor",) if config.mesh.sequence_parallel and sizes.get("tensor", 1) > 1 else ()
+    return moe_manual.manual_experts(expert_parallel=sizes.get("expert", 1) > 1,
+                                     row_axes=counted + sp, counted_axes=counted)
+
+
 def layer_strategies(config: Config, sizes: Mapping[str, int]) -> contextlib.ExitStack:
     """The layer-level strategies active inside the stages, to enter while tracing:
     Megatron TP/SP over ``tensor`` (untyped: the step differentiates inside shard_map) and
     the context-parallel attention over ``sequence``; the attention kernel
     ``attention.impl``."""
     stack = contextlib.ExitStack()
-    stack.enter_context(using_kernel(config.attention.impl, config.attention.chunk))
+    stack.enter_context(context.local_kernel(config.attention.impl, config.attention.chunk))
     if sizes.get(SEQ_AXIS, 1) > 1:
         stack.enter_context(context.manual_context_parallel(config.attention.context_parallel))
     if config.model.num_experts:
@@ -288,9 +300,7 @@ def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, 
                                  keep=config.pipeline.remat == "keep")
     table_tpc = tables(schedule) if table_tpc is None else table_tpc
     per_layer = sizes.get("fsdp", 1) > 1 and config.mesh.reshard_after_forward
-    stage = Stage(setup.graphdef, setup.policy, config.model.remat, gathers=per_layer,
-                  moe=config.model if config.model.num_experts else None, keep=schedule.kept,
-                  loss_chunks=config.model.loss_chunks)
+    stage = stage_stack(setup, gathers=per_layer, keep=schedule.kept)
     specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
     count = schedule.microbatches
     shards = batch_shards(sizes) * sizes.get(SEQ_AXIS, 1)  # the loss is a mean over these
@@ -326,3 +336,19 @@ def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, 
         in_specs=(specs, {key: batch_spec for key in batch}, PartitionSpec(), PartitionSpec()),
         out_specs=(jax.tree.map(lambda _: PartitionSpec(), parts0), specs),
     )(params, batch, scale, jnp.asarray(table_tpc, jnp.int32))
+
+
+def stage_stack(setup: TrainSetup, *, gathers: bool = False, keep: bool = False) -> Stage:
+    """The model's stage stack for this setup (its ``pipeline_stage``)."""
+    make = setup.model.pipeline_stage
+    if make is None:
+        raise ConfigError(f"--mesh pipeline={setup.sizes.get(AXIS)}: model "
+                          f"{setup.model.name!r} gives no pipeline_stage (the stage stack of "
+                          "the 'pipeline' capability); pass Model(pipeline_stage=...)")
+    return make(setup.config, setup.graphdef, setup.policy, gathers=gathers, keep=keep)
+
+
+def zero_parts(setup: TrainSetup) -> Parts:
+    """Zeros for the loss parts of one flush: ``loss`` and the router metrics an MoE
+    model reports (the stage stack's ``zero_parts``)."""
+    return stage_stack(setup).zero_parts(setup.abstract_params, setup.config.train.seq_len)

@@ -14,7 +14,6 @@ from shardlib.sharding import make_rules
 from shardlib.train import comm
 from shardlib.train import pipeline_schedule as ticks
 from shardlib.train.pipeline_schedule import SCHEDULES
-from shardlib.train.pipeline_stage import check_moe
 
 AXIS = "pipeline"
 BATCH_AXES = ("data", "fsdp", "expert")  # expert splits the batch too (rule preset ep)
@@ -142,3 +141,29 @@ def _check_microbatches(config: Config, sizes: Mapping[str, int]) -> None:
             f"pipeline.microbatches={m} on each of the {shards} batch shards (data x fsdp x "
             f"expert); make batch_size a multiple of {shards * m * accum} or change "
             "microbatches")
+
+
+def check_moe(config: Config, sizes: Mapping[str, int]) -> None:
+    """Raise on what an MoE model's stages cannot run. It pipelines beside every axis:
+    inside the stages' shard_map, manual over all of them, the expert all-to-all and the
+    experts' tensor split run in place (``parallel.moe_manual``). Capacity slots fill in
+    token order over a whole row, so they are refused where a device holds a slice of
+    each row."""
+    model = config.model
+    if not model.num_experts:
+        return
+    if model.moe_first_dense or model.moe_bias_rate > 0:
+        field = "moe_first_dense" if model.moe_first_dense else "moe_bias_rate"
+        raise ConfigError(
+            f"model.{field}={getattr(model, field)} with pipeline={sizes['pipeline']}: the "
+            "stages split one stack of identical MoE layer groups and report no per-expert load, "
+            f"so set model.{field}=0 (use moe_aux_weight for balance) or pipeline=1")
+    sliced = [f"{axis}={sizes[axis]}" for axis in ("sequence",) if sizes.get(axis, 1) > 1]
+    if config.mesh.sequence_parallel and sizes.get("tensor", 1) > 1:
+        sliced.append(f"tensor={sizes['tensor']} with mesh.sequence_parallel")
+    if model.moe_dispatch == "capacity" and sliced:
+        raise ConfigError(
+            f"model.moe_dispatch=capacity with pipeline={sizes['pipeline']} and "
+            f"{', '.join(sliced)}: an expert's capacity slots fill in token order over a "
+            "whole row, and inside a stage each device holds a slice of every row; use "
+            "model.moe_dispatch=dropless (every token kept, the same on any split)")

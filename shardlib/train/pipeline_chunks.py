@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from shardlib.train.pipeline_stage import join_blocks, split_blocks
+from shardlib.contract import join_blocks, split_blocks
 
 Plan = list[tuple[int, np.ndarray, np.ndarray]]  # (shift, send (P, K), receive (P, K))
 

@@ -21,11 +21,14 @@ from shardlib.config import CommConfig, Config, OptimConfig
 from shardlib.config_check import check_ranges
 from shardlib.contract import Model
 from shardlib.errors import ConfigError
-from shardlib.mesh import MESH_AXES, capability_of, make_mesh, platform_of, resolve_degrees
-from shardlib.models import check_model, lora
-from shardlib.models.attention import check_kernel
-from shardlib.models.moe import check_moe
-from shardlib.parallel.context import auto_note, check_context_parallel, resolve_method
+from shardlib.mesh import MESH_AXES, make_mesh, platform_of, resolve_degrees
+from shardlib.models import lora
+from shardlib.parallel.context import (
+    auto_note,
+    check_context_parallel,
+    check_local_kernel,
+    resolve_method,
+)
 from shardlib.parallel.units import find_units
 from shardlib.precision import LossScale
 from shardlib.precision import resolve as resolve_policy
@@ -127,20 +130,18 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None, *,
     ``model`` (the contract: a user's own) or else the built-in GPT of ``config.model``."""
     check_ranges(config)
     model = contract.resolve(config, model)
-    if model.has("planner"):
-        check_model(config.model)
     devices = list(jax.devices() if devices is None else devices)
     policy = resolve_policy(config.precision, platform_of(devices))
     if config.lora.rank:  # adapters trained, the frozen base in the compute dtype
         model = lora.with_lora(model, config.lora, policy.compute)
     mesh = make_mesh(mesh_degrees(config, len(devices)), devices)
     sizes = dict(mesh.shape)
+    model.run_check(config, mesh)  # the model's own (the GPT's: its shape, its MoE options)
     config, notes = resolve_context_parallel(config, sizes, model)
     check_capabilities(config, sizes, model)
     if model.has("planner"):
-        check_builtin(config, sizes, mesh)
-    check_kernel(config.attention.impl, config.attention.chunk, backend=platform_of(mesh),
-                 capability=capability_of(mesh))
+        check_builtin(config, sizes)
+    check_local_kernel(config.attention.impl, config.attention.chunk, mesh)
     comm_lib.check_comm(config.comm, sizes, zero=config.mesh.zero,
                         loss_scaling=policy.loss_scaling)
     rules = sharding.make_rules(config.mesh, sizes, config.rules)
@@ -203,9 +204,9 @@ def check_capabilities(config: Config, sizes: dict[str, int], model: Model) -> N
             model.require(capability, option)
 
 
-def check_builtin(config: Config, sizes: dict[str, int], mesh: Mesh) -> None:
-    """The checks of the built-in GPT's shape (``config.model``) against the mesh."""
-    check_moe(config.model, sizes)
+def check_builtin(config: Config, sizes: dict[str, int]) -> None:
+    """The strategies' checks of a ``ModelConfig``-shaped model (``config.model``) against
+    the mesh."""
     check_context_parallel(config.attention.context_parallel, sizes=sizes,
                            num_heads=config.model.num_heads, seq_len=config.train.seq_len)
     check_pipeline(config, sizes)

@@ -15,7 +15,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlib import precision
-from shardlib.models import moe
 from shardlib.sharding import compiling_for
 from shardlib.train import comm, diloco, nonfinite, pipeline, pipeline_check
 from shardlib.train.objective import (  # noqa: F401  (loss_fn, model_loss: public here too)
@@ -127,7 +126,7 @@ def train_step(setup: TrainSetup, state: TrainState, batch: Batch) -> tuple[Trai
             setup, state.params, batch, scaling.scale, state.model_state)
     updates, opt_state = setup.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    params, loss_parts = moe.balance(setup.config.model, params, loss_parts)  # router biases
+    params, loss_parts = setup.model.finish_step(params, loss_parts)  # e.g. MoE router biases
     if setup.policy.loss_scaling:
         finite = precision.all_finite(grads)
         params = precision.select_tree(finite, params, state.params)

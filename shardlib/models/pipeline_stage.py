@@ -1,4 +1,5 @@
-"""One pipeline stage's computations, inside the pipeline step's shard_map.
+"""The GPT's pipeline stage stack: one stage's computations, inside the pipeline step's
+shard_map (``shardlib.train.pipeline``), declared as the model's ``pipeline_stage``.
 
 The embedding on the first stage, the stage's slice of the stacked layers, the final
 norm, head and loss on the last. ``Stage.backward`` recomputes the stage from its input
@@ -9,14 +10,15 @@ out: ``detach``) and ``Stage.kept_backward`` runs the same backward from them. T
 layer hooks active for the trace (FSDP gathers, Megatron TP/SP over ``tensor``) act
 inside the stage as in the plain step; a packed microbatch's ``segment_ids`` and
 ``positions`` reach attention and the position embedding through
-``models.attention.packed_documents``. An MoE model's checks (``check_moe``) and its
-experts' strategy inside the stages (``manual_experts``) are here.
+``models.attention.packed_documents``. An MoE stage adds its layers' share of the router
+losses; its checks (``train.pipeline_check.check_moe``) and its experts' strategy inside
+the stages (``train.pipeline.manual_experts``) are the pipeline's.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,14 +28,12 @@ from flax import nnx
 
 from shardlib import hooks, precision
 from shardlib.config import Config, ModelConfig
-from shardlib.errors import ConfigError
+from shardlib.contract import join_blocks, split_blocks
 from shardlib.models.attention import packed_documents
 from shardlib.models.gpt import gather_outside_layers
+from shardlib.models.head import head_losses
 from shardlib.models.layers import layer_body, remat, scan_layers
-from shardlib.models.lm import head_losses
 from shardlib.models.moe import MoEStats, moe_objective, num_moe_layers, run_groups
-from shardlib.parallel import moe_manual
-from shardlib.train.setup import TrainSetup
 
 # one microbatch: "inputs", "targets" (b, T) and, when packed, "segment_ids", "positions"
 Microbatch = dict[str, jax.Array]
@@ -43,18 +43,6 @@ Parts = dict[str, jax.Array]  # scalar loss parts: "loss" and an MoE model's rou
 Tape = dict[str, Any]
 Layout = tuple[Any, tuple[tuple[str, Any], ...]]  # a detached pytree's static structure
 Layouts = tuple[Layout, Layout]  # the front's and one layer's
-
-
-def split_blocks(state: nnx.State) -> tuple[nnx.State, nnx.State]:
-    """(the stacked layers' part ``blocks``, everything else) of a model-shaped state."""
-    raw = state.raw_mapping
-    return state["blocks"], nnx.State({key: value for key, value in raw.items()
-                                       if key != "blocks"})
-
-
-def join_blocks(blocks: nnx.State, rest: nnx.State) -> nnx.State:
-    """Inverse of ``split_blocks``."""
-    return nnx.State({**rest.raw_mapping, "blocks": blocks.raw_mapping})
 
 
 def documents(mb: Microbatch) -> contextlib.AbstractContextManager[None]:
@@ -95,6 +83,18 @@ class Stage:
             if self.moe is None:
                 return scan_layers(model.blocks, x_btd, self.remat)
             return run_groups(model.blocks, x_btd, self.moe, remat)[0]
+
+    def zero_parts(self, abstract_params: nnx.State, seq_len: int) -> Parts:
+        """Zeros for the loss parts: ``loss`` and the router metrics an MoE model reports
+        (their names read from the model's own stats and ``moe_objective``)."""
+        parts = {"loss": jnp.zeros((), jnp.float32)}
+        if self.moe is None:
+            return parts
+        tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+        stats = jax.eval_shape(lambda p, t: nnx.merge(self.graphdef, p).forward(t)[1],
+                               abstract_params, tokens)
+        metrics = jax.eval_shape(lambda s: moe_objective(self.moe, s)[1], stats)
+        return {**parts, **{key: jnp.zeros(m.shape, jnp.float32) for key, m in metrics.items()}}
 
     def objective(self, stats: MoEStats) -> tuple[jax.Array, Parts]:
         """This stage's share of the router losses (``moe_objective`` is a mean over the
@@ -283,53 +283,11 @@ def attach(layout: Layout, kept: list[jax.Array], reload: Any) -> Any:
     return jax.tree.unflatten(treedef, [pick[kind](i) for kind, i in sources])
 
 
-def check_moe(config: Config, sizes: Mapping[str, int]) -> None:
-    """Raise on what an MoE model's stages cannot run. It pipelines beside every axis:
-    inside the stages' shard_map, manual over all of them, the expert all-to-all and the
-    experts' tensor split run in place (``parallel.moe_manual``). Capacity slots fill in
-    token order over a whole row, so they are refused where a device holds a slice of
-    each row."""
+def pipeline_stage(config: Config, graphdef: nnx.GraphDef, policy: precision.Policy, *,
+                   gathers: bool, keep: bool) -> Stage:
+    """The GPT's stage stack for a run (the contract's ``pipeline_stage``): ``gathers``
+    when the weights arrive as fsdp shards, ``keep`` under ``pipeline.remat=keep``."""
     model = config.model
-    if not model.num_experts:
-        return
-    if model.moe_first_dense or model.moe_bias_rate > 0:
-        field = "moe_first_dense" if model.moe_first_dense else "moe_bias_rate"
-        raise ConfigError(
-            f"model.{field}={getattr(model, field)} with pipeline={sizes['pipeline']}: the "
-            "stages split one stack of identical MoE layer groups and report no per-expert load, "
-            f"so set model.{field}=0 (use moe_aux_weight for balance) or pipeline=1")
-    sliced = [f"{axis}={sizes[axis]}" for axis in ("sequence",) if sizes.get(axis, 1) > 1]
-    if config.mesh.sequence_parallel and sizes.get("tensor", 1) > 1:
-        sliced.append(f"tensor={sizes['tensor']} with mesh.sequence_parallel")
-    if model.moe_dispatch == "capacity" and sliced:
-        raise ConfigError(
-            f"model.moe_dispatch=capacity with pipeline={sizes['pipeline']} and "
-            f"{', '.join(sliced)}: an expert's capacity slots fill in token order over a "
-            "whole row, and inside a stage each device holds a slice of every row; use "
-            "model.moe_dispatch=dropless (every token kept, the same on any split)")
-
-
-def manual_experts(config: Config, sizes: Mapping[str, int]
-                   ) -> contextlib.AbstractContextManager[None]:
-    """The experts' strategy inside the stages (``parallel.moe_manual``): expert-parallel
-    with ``expert`` > 1; router statistics averaged over the axes that split every row
-    (``sequence``, whose devices each count their objective, and ``tensor`` under SP,
-    whose devices hold copies of it)."""
-    counted = ("sequence",) if sizes.get("sequence", 1) > 1 else ()
-    sp = ("tensor",) if config.mesh.sequence_parallel and sizes.get("tensor", 1) > 1 else ()
-    return moe_manual.manual_experts(expert_parallel=sizes.get("expert", 1) > 1,
-                                     row_axes=counted + sp, counted_axes=counted)
-
-
-def zero_parts(setup: TrainSetup) -> Parts:
-    """Zeros for the loss parts: ``loss`` and the router metrics an MoE model reports
-    (their names read from the model's own stats and ``moe_objective``)."""
-    parts = {"loss": jnp.zeros((), jnp.float32)}
-    cfg = setup.config.model
-    if not cfg.num_experts:
-        return parts
-    tokens = jax.ShapeDtypeStruct((1, setup.config.train.seq_len), jnp.int32)
-    stats = jax.eval_shape(lambda p, t: nnx.merge(setup.graphdef, p).forward(t)[1],
-                           setup.abstract_params, tokens)
-    metrics = jax.eval_shape(lambda s: moe_objective(cfg, s)[1], stats)
-    return {**parts, **{key: jnp.zeros(m.shape, jnp.float32) for key, m in metrics.items()}}
+    return Stage(graphdef, policy, model.remat, gathers=gathers,
+                 moe=model if model.num_experts else None, keep=keep,
+                 loss_chunks=model.loss_chunks)
