@@ -102,3 +102,20 @@ def test_every_docs_command_parses_as_written(command, tmp_path, monkeypatch):
     if args.command in CONFIG_COMMANDS and "--init-from" not in argv \
             and getattr(args, "data", None) is None:
         config_from_args(args)
+
+
+def test_the_tpu_extra_installs_the_compiler_the_headline_was_measured_with():
+    """The accelerator results' headline (the default 7B step on v5p-128) names its libtpu;
+    ``pip install -e ".[tpu]"`` on Python 3.12+ must install that one (jax[tpu] 0.12.0.1
+    alone pinned 0.0.50.*, where the same command compiled to 50.83 GB, not 47.86)."""
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["tpu"]
+    pins = [r for r in extra if r.startswith("libtpu==") and "python_version >= '3.12'" in r]
+    assert len(pins) == 1, extra
+    pinned = pins[0].split(";")[0].removeprefix("libtpu==").strip()
+    page = (ROOT / "docs" / "results" / "accelerators.md").read_text()
+    headline = next(line for line in page.splitlines()
+                    if line.startswith("| **shardlib, the default step"))
+    assert f"libtpu {pinned} |" in headline, (pinned, headline)
