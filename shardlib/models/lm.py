@@ -20,8 +20,18 @@ from shardlib.models.moe import moe_objective
 from shardlib.sharding import compute_platform
 
 # {"inputs": (B, T) int32, "targets": (B, T) int32}, and from a packed loader optionally
-# "segment_ids" and "positions" (B, T) int32 (see models.attention.packed_documents)
+# "segment_ids" and "positions" (B, T) int32 (see models.attention.packed_documents) and,
+# for supervised fine-tuning, "loss_weights" (B, T) float32 (see token_mean)
 TOKEN_BATCH = {"inputs": ("batch", "seq"), "targets": ("batch", "seq")}
+
+
+def token_mean(losses_bt: jax.Array, weights_bt: jax.Array | None) -> jax.Array:
+    """The mean of the per-token losses, each times its weight when the batch has
+    ``loss_weights`` (SFT: 0 off the assistant's tokens, the rest scaled so that this mean
+    is the mean over the global batch's assistant tokens; see ``data.sft``)."""
+    if weights_bt is None:
+        return jnp.mean(losses_bt)
+    return jnp.mean(losses_bt * weights_bt.astype(losses_bt.dtype))
 
 
 def target_logit(logits_btv: jax.Array, ids_bt: jax.Array) -> jax.Array:
@@ -74,7 +84,7 @@ def lm_loss(config: Config):
         losses_bt = head_losses(model, x_btd, batch["targets"], output,
                                 config.model.loss_chunks)
         penalty, moe_metrics = moe_objective(config.model, moe_stats)
-        ce = jnp.mean(losses_bt)
+        ce = token_mean(losses_bt, batch.get("loss_weights"))
         return ce + penalty.astype(ce.dtype), {"loss": ce, **moe_metrics}
 
     return loss
