@@ -164,6 +164,28 @@ def test_packing_keeps_conversations_whole():
     np.testing.assert_array_equal(rows.positions, [[0, 1, 2, 0, 1, 0]])
 
 
+def test_templates_we_cannot_read_are_refused(hf_dirs, chat_file, tmp_path):
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dirs["chatml"])
+    # earlier replies rendered empty once a later message follows: not prefix-preserving
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{% if m['role'] != 'assistant' or loop.last %}{{ m['content'] }}{% endif %}"
+        "{{ '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    two_turns = conversations(1)[0]
+    with pytest.raises(ConfigError, match="renders earlier turns differently"):
+        chat.render(tokenizer, two_turns)
+    tokenizer.chat_template = None
+    tokenizer.save_pretrained(tmp_path / "plain")
+    with pytest.raises(ConfigError, match="has no chat_template"):
+        chat.load_chat_tokenizer(str(tmp_path / "plain"))
+    config = chat_config(MeshConfig(data=1), tmp_path / "missing", chat_file)
+    with pytest.raises(ConfigError, match="no directory given; pass the chat model"):
+        data_lib.open_source(config)
+
+
 # --- the loss, on any mesh ---------------------------------------------------------------
 
 def chat_config(mesh: MeshConfig, directory: Path, data: Path, **train) -> Config:
@@ -185,11 +207,15 @@ def test_loss_is_on_assistant_tokens_only(hf_dirs, chat_file):
     from shardlib.train.state import build_setup, init_state
     from shardlib.train.step import loss_fn
 
-    config = chat_config(MeshConfig(data=1), hf_dirs["chatml"], chat_file)
-    batch = chat_batches(config, 1)[0]
+    config = chat_config(MeshConfig(data=1), hf_dirs["chatml"], chat_file, eval_every=5)
+    source = data_lib.open_source(config)
+    batch = source.train(0, 0, config.train.batch_size)
     weights = batch["loss_weights"]
     assert {"segment_ids", "positions"} <= set(batch) and (weights == 0).any()
     np.testing.assert_allclose(weights.mean(), 1.0, rtol=1e-6)  # a mean over assistant tokens
+    held = min(source.val_windows, config.train.batch_size * config.train.eval_batches)
+    val_weights = source.val_rows(list(range(held)))["loss_weights"]  # what one eval covers
+    np.testing.assert_allclose(val_weights.mean(), 1.0, rtol=1e-6)
     setup = build_setup(config, jax.devices()[:1])
     params = init_state(setup, 0).params
     loss = jax.jit(lambda p, b: loss_fn(setup, p, b))

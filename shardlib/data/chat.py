@@ -107,9 +107,10 @@ def load_chat_tokenizer(directory: str) -> Any:
         raise ConfigError("chat data needs transformers to render the chat template "
                           "(pip install transformers)") from None
     if not directory or not Path(directory).is_dir():
-        raise ConfigError(f"chat data: {directory or 'no directory'!s} is not a Hugging Face "
-                          "directory; give --init-from (or data.tokenizer) the model directory "
-                          "whose tokenizer files carry the chat template")
+        given = f"{directory!r} is not a directory" if directory else "no directory given"
+        raise ConfigError(f"chat data: {given}; pass the chat model's Hugging Face directory, "
+                          "whose tokenizer files carry the chat template, as --init-from "
+                          "(or --tokenizer)")
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     if not tokenizer.chat_template:
         raise ConfigError(f"chat data: the tokenizer in {directory} has no chat_template "
@@ -119,11 +120,13 @@ def load_chat_tokenizer(directory: str) -> Any:
 
 
 def template_text(tokenizer: Any) -> str:
+    """The tokenizer's chat template (the ``default`` one of a set of named templates)."""
     template = tokenizer.chat_template
     return template["default"] if isinstance(template, dict) else template
 
 
 def has_generation_markers(tokenizer: Any) -> bool:
+    """Whether the template marks the assistant's text with ``{% generation %}``."""
     return GENERATION.search(template_text(tokenizer)) is not None
 
 
