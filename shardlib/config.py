@@ -274,8 +274,14 @@ class DataConfig:
     shuffle: bool = True  # prepared data: a seeded window order, reshuffled every epoch
     workers: int = 2  # grain threads reading host batches (0: read on the training thread)
     prefetch: int = 2  # batches read ahead, the next one put on devices during the step
+    # train.data's kind: "chat" = a JSONL of {"messages": [...]} for supervised fine-tuning
+    # (data.sft: the checkpoint's chat template, loss on assistant tokens); "text" = never
+    # chat; "auto" = chat for a .jsonl whose first record has "messages"
+    format: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.format not in ("auto", "text", "chat"):
+            raise ConfigError(f"data.format={self.format!r}: must be auto, text or chat")
         for name in ("workers", "prefetch"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"data.{name}={getattr(self, name)}: must be >= 0 "

@@ -98,7 +98,14 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     source.add_argument("--init-from", metavar="HF_DIR", help="a Hugging Face "
                         "save_pretrained directory (GPT-2, Llama 1-3.x, Qwen2)")
     source.add_argument("--checkpoint-dir", help="a `train --checkpoint-dir` (newest step)")
-    gen.add_argument("--prompt", required=True, help="the text to continue")
+    text = gen.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="the text to continue")
+    text.add_argument("--chat", metavar="MESSAGE", help="a user message, rendered with the "
+                      "chat template of --tokenizer (default: --init-from); prints the "
+                      "assistant's reply, stopping at its end-of-turn token")
+    gen.add_argument("--tokenizer", metavar="HF_DIR", help="the Hugging Face directory whose "
+                     "tokenizer (and chat template) encodes and decodes the text (default: "
+                     "--init-from)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     gen.add_argument("--top-k", type=int, default=0, help="sample from the best K (0: all)")
@@ -119,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--steps", type=int, help="optimizer steps")
     train.add_argument("--lr", type=float, help="peak learning rate")
     train.add_argument("--data", help="stdlib (default), synthetic, a path to a text file, "
-                       "or a directory made by `shardlib data prepare`")
+                       "a directory made by `shardlib data prepare`, or a chat .jsonl of "
+                       "{\"messages\": [...]} lines (supervised fine-tuning, data.format)")
     train.add_argument("--tokenizer", help="bytes, a tokenizer.json or a Hugging Face model "
                        "directory (default: the prepared dataset's own, else bytes)")
     train.add_argument("--init-from", metavar="PATH", help="fine-tune a Hugging Face GPT-2 or "

@@ -2,7 +2,9 @@
 
 The model comes from a Hugging Face directory (``--init-from``, decoded with its
 ``tokenizer.json`` when there is one) or a training checkpoint (``--checkpoint-dir``,
-byte-level text as training uses). Temperature 0 is greedy decoding.
+byte-level text as training uses, or ``--tokenizer``'s). Temperature 0 is greedy decoding.
+``--chat MESSAGE`` renders a user message with the chat template SFT trained with
+(``data.chat``) and prints the assistant's reply, stopped at its end-of-turn token.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from tokenizers import Tokenizer
 from shardlib import data as data_lib
 from shardlib.checkpoint import Checkpointer
 from shardlib.config import Config, MeshConfig, ModelConfig, TrainConfig, parse_mesh
+from shardlib.data import chat
 from shardlib.errors import ShardlibError
 from shardlib.export import good_step
 from shardlib.interop.hf import load_config, load_params
@@ -27,9 +30,14 @@ from shardlib.train.state import build_setup
 class _Text:
     """Text <-> token ids: the HF directory's tokenizer.json, else bytes."""
 
+    stops: tuple[int, ...] = ()
+
     def __init__(self, directory: str | None):
         path = Path(directory or "") / "tokenizer.json"
         self.tokenizer = Tokenizer.from_file(str(path)) if directory and path.is_file() else None
+
+    def prompt(self, args: argparse.Namespace) -> list[int]:
+        return self.encode(args.prompt)
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -40,6 +48,21 @@ class _Text:
         if self.tokenizer is None:
             return data_lib.decode(ids)
         return self.tokenizer.decode(ids)
+
+
+class _Chat:
+    """A user message through the directory's chat template; the reply stops at the
+    template's end-of-turn token and is decoded without special tokens."""
+
+    def __init__(self, directory: str | None):
+        self.template = chat.load_chat_tokenizer(directory or "")
+        self.stops = chat.stop_ids(self.template)
+
+    def prompt(self, args: argparse.Namespace) -> list[int]:
+        return chat.prompt_ids(self.template, [{"role": "user", "content": args.chat}])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.template.decode(ids, skip_special_tokens=True)
 
 
 def _model_config(args: argparse.Namespace) -> tuple[ModelConfig, int | None]:
@@ -56,11 +79,13 @@ def run_generate(args: argparse.Namespace, devices: list[jax.Device]) -> int:
     """Load, prefill, decode; print the continuation (the prompt is not repeated)."""
     if args.max_new_tokens < 1:
         raise ShardlibError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
-    text = _Text(args.init_from)
-    prompt = text.encode(args.prompt)
+    directory = getattr(args, "tokenizer", None) or args.init_from
+    text = _Chat(directory) if getattr(args, "chat", None) is not None else _Text(directory)
+    prompt = text.prompt(args)
     model, step = _model_config(args)
     if not prompt:
         raise ShardlibError("--prompt: encodes to no tokens; give some text")
+    stops = tuple(t for t in text.stops if t < model.vocab_size)
     if model.pos_embedding == "learned" and len(prompt) + args.max_new_tokens > model.max_seq_len:
         raise ShardlibError(f"--max-new-tokens {args.max_new_tokens}: prompt ({len(prompt)}) + "
                             f"new tokens exceed model.max_seq_len={model.max_seq_len}")
@@ -76,6 +101,6 @@ def run_generate(args: argparse.Namespace, devices: list[jax.Device]) -> int:
         params = Checkpointer(args.checkpoint_dir, read_only=True).restore(setup, step).params
     new = generate_cached(setup, params, [prompt], args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          seed=args.seed)[0]
+                          stop_tokens=stops, seed=args.seed)[0]
     print(text.decode(new), flush=True)
     return 0

@@ -6,6 +6,8 @@ document packing and the grain input pipeline.
 - ``prepare`` + ``shards``: ``shardlib data prepare`` and the memory-mapped shard format;
   ``split`` its validation split, ``tokenize_units`` + ``workers`` its worker processes
 - ``packing``: documents -> fixed-length rows with segment ids and positions
+- ``chat`` + ``sft``: chat JSONL for supervised fine-tuning: the chat template, the
+  assistant mask, conversations packed into rows with loss weights
 - ``loader``: per-process rows via grain, prefetch, global arrays, resumable state
 """
 

@@ -18,6 +18,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grain
@@ -26,6 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from shardlib.config import Config
+from shardlib.data import chat, sft
 from shardlib.data.corpus import Batches, load_corpus, local_row_range, split_corpus
 from shardlib.data.packing import PackedWindows
 from shardlib.data.shards import PreparedDataset, is_prepared, open_dataset
@@ -183,9 +185,54 @@ def packed_source(config: Config) -> Source:
                   len(train), len(val), lambda ids: val.rows(ids, dc.packing_mask))
 
 
+def chat_directory(config: Config) -> str:
+    """The Hugging Face directory whose tokenizer files carry the chat template:
+    ``data.tokenizer`` if it is a directory, else ``train.init_from``."""
+    spec = config.data.tokenizer
+    return spec if spec and Path(spec).is_dir() else config.train.init_from
+
+
+def chat_source(config: Config) -> Source:
+    """A chat JSONL for supervised fine-tuning (``data.sft``): conversations packed into
+    rows with segments and loss weights, in a seeded order reshuffled every epoch; every
+    eval covers the first ``train.eval_batches`` batches of held-out rows, their weights
+    scaled over those rows, so the eval loss is their mean over assistant tokens."""
+    tc, dc = config.train, config.data
+    template = chat.load_chat_tokenizer(chat_directory(config))
+    tokenizer = pick_tokenizer(config, None)
+    pad = tokenizer.eod_id
+    train, val = sft.chat_splits(template, chat.read_conversations(tc.data), tc.seq_len, pad)
+    _check_size("train", len(train), config)
+    if tc.eval_every > 0:
+        _check_size("val", len(val), config)
+    order = grain.MapDataset.range(len(train))
+    order = (order.shuffle(seed=tc.seed) if dc.shuffle else order).repeat(None)
+    size = tc.batch_size
+
+    def train_rows(k: int, start: int, stop: int) -> HostBatch:
+        ids = [order[k * size + i] for i in range(size)]
+        return train.batch(ids[start:stop], sft.weight_scale(train, ids))
+
+    held = list(range(min(len(val), size * tc.eval_batches)))
+    val_scale = sft.weight_scale(val, held) if held else 0.0
+
+    def val_rows(k: int, start: int, stop: int) -> HostBatch:
+        return val.batch([(k * size + i) % max(len(val), 1) for i in range(start, stop)],
+                         val_scale)
+
+    fingerprint = f"{sft.fingerprint(tc.data, template, tc.seq_len)}:{tc.seed}:{dc.shuffle}"
+    return Source(tc.data, tokenizer, fingerprint, 0.0, train_rows, val_rows, len(train),
+                  len(val), lambda ids: val.batch(ids, val_scale))
+
+
 def open_source(config: Config) -> Source:
     """The source ``train.data`` names, its tokenizer checked against the model."""
-    source = packed_source(config) if is_prepared(config.train.data) else corpus_source(config)
+    if chat.wants_chat(config.data.format, config.train.data):
+        source = chat_source(config)
+    elif is_prepared(config.train.data):
+        source = packed_source(config)
+    else:
+        source = corpus_source(config)
     vocab = config.model.vocab_size
     if source.tokenizer.vocab_size > vocab:
         raise ConfigError(

@@ -66,3 +66,20 @@ class PackedWindows:
             batch["segment_ids"] = np.stack([p[1][:-1] for p in parts])
             batch["positions"] = np.stack([p[2][:-1] for p in parts])
         return batch
+
+
+def pack_in_order(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Whole documents into rows of ``capacity`` tokens, in order: each goes into the
+    current row while it fits, else starts the next (no document is cut; each length must
+    be <= ``capacity``). Returns the documents of each row."""
+    rows: list[list[int]] = []
+    used = capacity
+    for doc, length in enumerate(lengths):
+        if length > capacity:
+            raise ValueError(f"document {doc} has {length} tokens, more than a row's {capacity}")
+        if used + length > capacity:
+            rows.append([])
+            used = 0
+        rows[-1].append(doc)
+        used += length
+    return rows

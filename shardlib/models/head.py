@@ -14,6 +14,15 @@ from shardlib import hooks
 from shardlib.errors import ConfigError
 
 
+def token_mean(losses_bt: jax.Array, weights_bt: jax.Array | None) -> jax.Array:
+    """The mean of the per-token losses, each times its weight when the batch has
+    ``loss_weights`` (SFT: 0 off the assistant's tokens, the rest scaled so that this mean
+    is the mean over the global batch's assistant tokens; see ``data.sft``)."""
+    if weights_bt is None:
+        return jnp.mean(losses_bt)
+    return jnp.mean(losses_bt * weights_bt.astype(losses_bt.dtype))
+
+
 def target_logit(logits_btv: jax.Array, ids_bt: jax.Array) -> jax.Array:
     """``logits_btv[b, t, ids_bt[b, t]]`` (B, T) as a one-hot sum (see
     ``parallel.tensor.target_logit``, which the installed hook uses)."""

@@ -20,14 +20,15 @@ from shardlib import contract, precision
 from shardlib.config import Config
 from shardlib.models import decode as kv_decode
 from shardlib.models.gpt import GPT, LAYER_STACKS
-from shardlib.models.head import head_losses
+from shardlib.models.head import head_losses, token_mean
 from shardlib.models.moe import balance, check_moe, moe_objective
 from shardlib.models.pipeline_stage import pipeline_stage
 from shardlib.models.presets import check_model
 from shardlib.sharding import compute_platform
 
 # {"inputs": (B, T) int32, "targets": (B, T) int32}, and from a packed loader optionally
-# "segment_ids" and "positions" (B, T) int32 (see models.attention.packed_documents)
+# "segment_ids" and "positions" (B, T) int32 (see models.attention.packed_documents) and,
+# for supervised fine-tuning, "loss_weights" (B, T) float32 (see token_mean)
 TOKEN_BATCH = {"inputs": ("batch", "seq"), "targets": ("batch", "seq")}
 
 
@@ -43,7 +44,7 @@ def lm_loss(config: Config):
         losses_bt = head_losses(model, x_btd, batch["targets"], output,
                                 config.model.loss_chunks)
         penalty, moe_metrics = moe_objective(config.model, moe_stats)
-        ce = jnp.mean(losses_bt)
+        ce = token_mean(losses_bt, batch.get("loss_weights"))
         return ce + penalty.astype(ce.dtype), {"loss": ce, **moe_metrics}
 
     return loss

@@ -31,7 +31,7 @@ from shardlib.config import Config, ModelConfig
 from shardlib.contract import join_blocks, split_blocks
 from shardlib.models.attention import packed_documents
 from shardlib.models.gpt import gather_outside_layers
-from shardlib.models.head import head_losses
+from shardlib.models.head import head_losses, token_mean
 from shardlib.models.layers import layer_body, remat, scan_layers
 from shardlib.models.moe import MoEStats, moe_objective, num_moe_layers, run_groups
 
@@ -222,7 +222,8 @@ class Stage:
             def loss() -> jax.Array:
                 losses_bt = head_losses(self._outside(params, r), y_btd, mb["targets"],
                                         self.policy.output, self.loss_chunks)  # vocab-parallel
-                return jnp.mean(losses_bt).astype(jnp.float32)
+                weights_bt = mb.get("loss_weights")
+                return token_mean(losses_bt, weights_bt).astype(jnp.float32)
             return jax.lax.cond(is_last, loss, lambda: jnp.zeros((), jnp.float32))
 
         loss, head_vjp = jax.vjp(head_loss, rest_w, tape["y"])
