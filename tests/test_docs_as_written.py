@@ -119,3 +119,18 @@ def test_the_tpu_extra_installs_the_compiler_the_headline_was_measured_with():
     headline = next(line for line in page.splitlines()
                     if line.startswith("| **shardlib, the default step"))
     assert f"libtpu {pinned} |" in headline, (pinned, headline)
+
+
+def test_a_docs_train_lines_microbatches_split_over_the_devices():
+    """``--grad-accum 4`` on the default batch of 16 left 4 rows per microbatch for the 8
+    devices of ``data=-1`` (mixed-precision.md failed as written)."""
+    from shardlib.train.state import mesh_degrees
+
+    for command in DOC_COMMANDS:
+        if command.argv[:1] != ("train",) or command.why_not or "auto" in command.argv:
+            continue
+        config = config_of("shardlib " + shlex.join(command.argv))
+        degrees = mesh_degrees(config, 8)
+        rows = config.train.batch_size // config.train.grad_accum
+        assert rows % (degrees["data"] * degrees["fsdp"] * degrees["expert"]) == 0, \
+            (command.page, command.text, rows, degrees)
