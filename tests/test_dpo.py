@@ -144,8 +144,8 @@ def test_lora_dpo_equals_trl_with_peft_reference_adapters_off(llama_dirs, tmp_pa
     batch = {k: jnp.asarray(v) for k, v in _our_batch(examples).items()}
     loss_fn = preference.dpo_loss(_config(policy_dir))
     graphdef, adapters, rest = nnx.split(ours, nnx.LoRAParam, ...)
-    grads, metrics = jax.grad(lambda a: loss_fn(nnx.merge(graphdef, a, rest), batch),
-                              has_aux=True)(adapters)
+    grads, metrics = jax.jit(jax.grad(lambda a: loss_fn(nnx.merge(graphdef, a, rest), batch),
+                                      has_aux=True))(adapters)
     np.testing.assert_allclose(float(metrics["loss"]), loss.item(), rtol=0, atol=TOL)
     assert loss.item() > 0.7 or loss.item() < 0.69  # the adapters moved it off log 2
     _assert_metrics(metrics, logged)
@@ -196,8 +196,8 @@ def test_dpo_with_precomputed_reference_equals_trl(llama_dirs, tmp_path):
             batch[f"{side}_mask"], config)
     ours = hf.from_pretrained(policy_dir)
     graphdef, params = nnx.split(ours)
-    grads, metrics = jax.grad(lambda p: preference.dpo_loss(config)(nnx.merge(graphdef, p),
-                                                                   batch), has_aux=True)(params)
+    grads, metrics = jax.jit(jax.grad(lambda p: preference.dpo_loss(config)(
+        nnx.merge(graphdef, p), batch), has_aux=True))(params)
     np.testing.assert_allclose(float(metrics["loss"]), loss.item(), rtol=0, atol=TOL)
     _assert_metrics(metrics, logged)
     got = _hf_grads(ours, grads, tmp_path / "grads")
@@ -238,8 +238,8 @@ def test_simpo_equals_trl_cpo_simpo(llama_dirs, tmp_path):
     ours = hf.from_pretrained(policy_dir)
     graphdef, params = nnx.split(ours)
     jbatch = {k: jnp.asarray(v) for k, v in ours_batch.items()}
-    grads, metrics = jax.grad(lambda p: preference.simpo_loss(config)(nnx.merge(graphdef, p),
-                                                                     jbatch), has_aux=True)(params)
+    grads, metrics = jax.jit(jax.grad(lambda p: preference.simpo_loss(config)(
+        nnx.merge(graphdef, p), jbatch), has_aux=True))(params)
     np.testing.assert_allclose(float(metrics["loss"]), loss.item(), rtol=0, atol=TOL)
     _assert_metrics(metrics, logged)
     got = _hf_grads(ours, grads, tmp_path / "grads")
@@ -262,10 +262,10 @@ def _write_pairs(path, count: int = 16) -> None:
 
 
 def _dpo_run(mesh: MeshConfig, path, lora: bool) -> tuple:
-    """(history, final trained params by path) of a 3-step DPO run on ``mesh``."""
+    """(history, final trained params by path) of a 2-step DPO run on ``mesh``."""
     from shardlib.run.loop import train
 
-    config = tiny_config(mesh, steps=3)
+    config = tiny_config(mesh, steps=2)
     config = dataclasses.replace(
         config, train=dataclasses.replace(config.train, data=str(path), objective="dpo",
                                           seq_len=16, log_every=1),
@@ -287,7 +287,7 @@ def test_sharded_dpo_trains_like_one_device(lora, mesh, tmp_path):
                 "rewards_accuracies"):
         np.testing.assert_allclose([r[key] for r in sharded], [r[key] for r in one],
                                    rtol=1e-5, atol=1e-6, err_msg=key)
-    assert one[0]["rewards_margins"] == 0 and one[-1]["rewards_margins"] != 0  # it trained
+    assert abs(one[0]["rewards_margins"]) < 1e-6 < abs(one[-1]["rewards_margins"])  # trained
     assert_tensors_close(params, one_params, 1e-5)
 
 
@@ -306,6 +306,15 @@ def test_bad_pairs_name_file_and_line(tmp_path):
         check_ranges(Config(train=TrainConfig(objective="ppo")))
     with pytest.raises(ConfigError, match=r"dpo.beta=0"):
         check_ranges(Config(dpo=DPOConfig(beta=0)))
+    from shardlib.cli import build_parser, config_from_args
+    from shardlib.run.loop import train
+
+    parsed = config_from_args(build_parser().parse_args(
+        ["train", "--set", "train.objective=simpo", "dpo.beta=2.0", "dpo.simpo_gamma=1.5"]))
+    assert (parsed.train.objective, parsed.dpo.beta, parsed.dpo.simpo_gamma) == ("simpo", 2, 1.5)
+    with pytest.raises(ConfigError, match=r"train.objective=dpo: the preference losses train "
+                                          r"the built-in GPT family"):
+        train(Config(train=TrainConfig(objective="dpo")), model=object(), data=[])
     # a prompt that fills the sequence leaves no completion: the pair is dropped, said so
     from shardlib.data.tokenizer import ByteTokenizer
 

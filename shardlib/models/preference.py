@@ -63,12 +63,27 @@ def sequence_logps(logps_bt: jax.Array, mask_bt: jax.Array, mean: bool = False) 
     return logps_b / jnp.sum(mask_bt.astype(jnp.float32), axis=-1) if mean else logps_b
 
 
+def interleave(chosen_bt: jax.Array, rejected_bt: jax.Array) -> jax.Array:
+    """(B, ...) x 2 -> (2B, ...), row 2b chosen b and row 2b + 1 rejected b: each device's
+    rows of the pair stay on it (no communication), and one forward runs both sides."""
+    return jnp.stack([chosen_bt, rejected_bt], axis=1).reshape(-1, *chosen_bt.shape[1:])
+
+
+def pair_token_logps(module: nnx.Module, batch: contract.Batch, config: Config
+                     ) -> tuple[jax.Array, jax.Array]:
+    """(chosen, rejected) per-token log-probs (B, T) of ``module``, in one forward."""
+    inputs, targets, mask = (interleave(batch[f"chosen_{part}"], batch[f"rejected_{part}"])
+                             for part in ("inputs", "targets", "mask"))
+    logps_2bt = token_logps(module, inputs, targets, mask, config)
+    logps_b2t = logps_2bt.reshape(-1, 2, logps_2bt.shape[-1])
+    return logps_b2t[:, 0], logps_b2t[:, 1]
+
+
 def pair_logps(module: nnx.Module, batch: contract.Batch, config: Config,
                mean: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(chosen, rejected) sequence log-probs (B,) of ``module`` (two forwards)."""
-    return tuple(sequence_logps(token_logps(module, batch[f"{s}_inputs"], batch[f"{s}_targets"],
-                                            batch[f"{s}_mask"], config),
-                                batch[f"{s}_mask"], mean) for s in SIDES)
+    """(chosen, rejected) sequence log-probs (B,) of ``module``."""
+    return tuple(sequence_logps(logps_bt, batch[f"{side}_mask"], mean) for side, logps_bt
+                 in zip(SIDES, pair_token_logps(module, batch, config), strict=True))
 
 
 def adapters_off(module: nnx.Module) -> nnx.Module | None:

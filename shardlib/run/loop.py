@@ -108,7 +108,11 @@ def train(config: Config, *, model: Model | None = None, data: BatchSource | Non
     timeline = goodput.Timeline()
     compile_cache.enable(config.train.compile_cache)  # before the first compile
     resume.check_config(config.train)
-    if model is None and config.train.objective != "lm":  # DPO / SimPO on preference pairs
+    if config.train.objective != "lm":  # DPO / SimPO on preference pairs: the GPT family's
+        if model is not None:
+            raise ConfigError(f"train.objective={config.train.objective}: the preference "
+                              "losses train the built-in GPT family; a model of your own "
+                              "brings its own loss (leave train.objective=lm)")
         model, data = preference.model_and_data(config)
     with signals.sigterm_raises(), contextlib.ExitStack() as exits:
         config, source, setup = startup.preflight(config, devices, model, data)

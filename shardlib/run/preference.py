@@ -54,10 +54,9 @@ def token_logps_step(setup: TrainSetup):
     cfg = setup.config
 
     def loss(module: nnx.Module, batch: dict) -> tuple[jax.Array, dict]:
-        logps = {f"{s}_ref_logps": preference.token_logps(
-            module, batch[f"{s}_inputs"], batch[f"{s}_targets"], batch[f"{s}_mask"], cfg)
-            for s in preference.SIDES}
-        return jax.numpy.zeros(()), logps
+        logps = preference.pair_token_logps(module, batch, cfg)
+        return jax.numpy.zeros(()), {f"{side}_ref_logps": logps_bt for side, logps_bt
+                                     in zip(preference.SIDES, logps, strict=True)}
 
     ref_setup = replace(setup, model=replace(setup.model, loss=loss))
     keys = list(preference.PAIR_BATCH)
