@@ -297,7 +297,7 @@ def test_bad_pairs_name_file_and_line(tmp_path):
     with pytest.raises(ConfigError, match=r"pairs.jsonl:3: 'chosen' is missing"):
         pairs_lib.read_pairs(path)
     path.write_text('{"prompt": "a", "chosen": "b", "rejected": 3}\n')
-    with pytest.raises(ConfigError, match=r"pairs.jsonl:1: 'rejected' is a int"):
+    with pytest.raises(ConfigError, match=r"pairs.jsonl:1: 'rejected' is of type int"):
         pairs_lib.read_pairs(path)
     path.write_text('{"prompt": "a", "chosen": "b"\n')
     with pytest.raises(ConfigError, match=r"pairs.jsonl:1: not JSON"):

@@ -60,7 +60,7 @@ def _pair(line: str, where: str) -> Pair:
                           f"{', '.join(FIELDS)}")
     for key in FIELDS:
         if not isinstance(row.get(key), str):
-            got = "missing" if key not in row else f"a {type(row[key]).__name__}"
+            got = "missing" if key not in row else f"of type {type(row[key]).__name__}"
             raise ConfigError(f"{where}: {key!r} is {got}; each of {', '.join(FIELDS)} must "
                               "be a string")
     if not row["chosen"] or not row["rejected"]:
