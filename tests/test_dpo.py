@@ -271,7 +271,7 @@ def _dpo_run(mesh: MeshConfig, path, lora: bool) -> tuple:
                                           seq_len=16, log_every=1),
         optim=dataclasses.replace(config.optim, lr=1e-2),
         lora=LoRAConfig(rank=4, alpha=8.0) if lora else LoRAConfig())
-    result = train(config, devices=jax.devices()[:mesh.data * mesh.fsdp * mesh.tensor])
+    result = train(config, devices=jax.devices()[:int(np.prod(list(mesh.degrees().values())))])
     params = {".".join(map(str, p)): np.asarray(v.get_value())
               for p, v in nnx.to_flat_state(result.state.params)}
     return result.history, params

@@ -43,8 +43,8 @@ PAIR_BATCH = {f"{side}_{part}": ("batch", "seq") for side in SIDES
 # (B, T) like the rest, so that every batch array splits alike
 REFERENCE_BATCH = {f"{side}_ref_logps": ("batch", "seq") for side in SIDES}
 # what the GPT declares that a preference loss does not carry: a pipeline's staged loss,
-# context-parallel sequence slices, token-LM data and sampling
-DROPPED = frozenset({"pipeline", "context_parallel", "tokens", "generate"})
+# token-LM data and sampling
+DROPPED = frozenset({"pipeline", "tokens", "generate"})
 
 
 def token_logps(module: nnx.Module, inputs_bt: jax.Array, targets_bt: jax.Array,
