@@ -187,6 +187,9 @@ class TrainConfig:
     # JAX's persistent compilation cache (shardlib.run.compile_cache): "" = the default
     # folder, $SHARDLIB_COMPILE_CACHE or ~/.cache/shardlib/jax; "off"; or a folder
     compile_cache: str = ""
+    # lm: next-token loss on train.data; dpo | simpo: preference tuning on a JSONL of
+    # prompt / chosen / rejected pairs in train.data (shardlib.models.preference, dpo.*)
+    objective: str = "lm"
 
 
 @dataclass(frozen=True)
@@ -313,6 +316,14 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class DPOConfig:
+    """Preference tuning (``train.objective=dpo|simpo``, ``shardlib.models.preference``)."""
+
+    beta: float = 0.1  # DPO: the KL weight; SimPO: the reward scale (TRL's beta)
+    simpo_gamma: float = 0.5  # SimPO's target reward margin (TRL's simpo_gamma)
+
+
+@dataclass(frozen=True)
 class Config:
     """Everything a run needs: mesh, model, train, optimizer, precision, comm, data, checkpoint,
     lora."""
@@ -327,6 +338,7 @@ class Config:
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     data: DataConfig = field(default_factory=DataConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     rules: tuple[tuple[str, tuple[str, ...]], ...] = ()  # user overrides: (logical dim, axes)
 
 

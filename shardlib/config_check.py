@@ -41,7 +41,9 @@ RANGES: dict[str, dict[str, str]] = {
     "checkpoint": {"every": ">=0", "keep": ">=1"},
     "data": {"workers": "[0,64]", "prefetch": ">=0"},
     "lora": {"rank": ">=0", "alpha": ">0", "dropout": "[0,1)"},
+    "dpo": {"beta": ">0", "simpo_gamma": ">=0"},
 }
+OBJECTIVES = ("lm", "dpo", "simpo")  # train.objective (shardlib.models.preference)
 
 
 def in_range(value: float, rule: str) -> bool:
@@ -98,6 +100,10 @@ def check_ranges(config: Config, flags: dict[str, str] | None = None) -> None:
             raise ConfigError(f"{head}: must be {_wanted(value, rule, number)}{where}")
     if config.model.pos_embedding == "learned":
         check_seq_len(config, flags)
+    if config.train.objective not in OBJECTIVES:
+        raise ConfigError(f"train.objective={config.train.objective!r}: one of "
+                          f"{', '.join(OBJECTIVES)} (lm: next-token; dpo / simpo: preference "
+                          "pairs in a JSONL, docs/how-to/dpo.md)")
 
 
 def check_seq_len(config: Config, flags: dict[str, str] | None = None) -> None:

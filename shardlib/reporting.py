@@ -125,6 +125,9 @@ class ConsoleReporter:
             status += f"  MFU {last['mfu']:.1%}"
         if "eval_loss" in last:
             status += f"  eval {last['eval_loss']:.4f}"
+        if "rewards_accuracies" in last:  # a preference objective (models.preference)
+            status += (f"  reward acc {last['rewards_accuracies']:.2f}"
+                       f" margin {last['rewards_margins']:.3f}")
         if last.get("loss_scale", 1.0) != 1.0:
             status += f"  scale {last['loss_scale']:.0f} skipped {last['skipped_steps']}"
         if self.progress is not None:

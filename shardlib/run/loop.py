@@ -29,11 +29,13 @@ from shardlib.distributed import main_print
 from shardlib.errors import ConfigError
 from shardlib.interop import peft
 from shardlib.interop.hf import pretrained_state
+from shardlib.models.preference import needs_reference
 from shardlib.reporting import NullReporter, Reporter
 from shardlib.run import (
     compile_cache,
     fit,
     goodput,
+    preference,
     resume,
     signals,
     spike,
@@ -106,8 +108,16 @@ def train(config: Config, *, model: Model | None = None, data: BatchSource | Non
     timeline = goodput.Timeline()
     compile_cache.enable(config.train.compile_cache)  # before the first compile
     resume.check_config(config.train)
+    if config.train.objective != "lm":  # DPO / SimPO on preference pairs: the GPT family's
+        if model is not None:
+            raise ConfigError(f"train.objective={config.train.objective}: the preference "
+                              "losses train the built-in GPT family; a model of your own "
+                              "brings its own loss (leave train.objective=lm)")
+        model, data = preference.model_and_data(config)
     with signals.sigterm_raises(), contextlib.ExitStack() as exits:
         config, source, setup = startup.preflight(config, devices, model, data)
+        if isinstance(data, preference.PreferenceData) and needs_reference(config):
+            preference.attach_reference(setup, data)  # DPO without LoRA: once, before state
         loader = None if source is not None else ArrayLoader(
             data, setup.batch_sharding, setup.model.batch, config.train.batch_size,
             eval_data=eval_data)

@@ -1,0 +1,53 @@
+"""DPO on more meshes than tests/test_dpo.py holds (docs/results/post-training.md): Megatron
+sequence parallelism, ZeRO-1, ZeRO-2 and a ``sequence`` axis (ring context parallelism),
+each two steps against one device (the tests' tiny GPT and pairs, with and without LoRA).
+
+    PYTHONPATH=. python experiments/dpo_meshes.py
+"""
+
+import dataclasses
+import os
+import pathlib
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+from shardlib.config import MeshConfig  # noqa: E402
+from tests import test_dpo  # noqa: E402
+from tests.helpers import assert_tensors_close  # noqa: E402
+
+CASES = [
+    (True, [MeshConfig(data=2, fsdp=2, tensor=2, sequence_parallel=True),
+            MeshConfig(data=4, fsdp=2, zero=1), MeshConfig(data=4, sequence=2)]),
+    (False, [MeshConfig(data=2, fsdp=2, tensor=2), MeshConfig(data=4, tensor=2, zero=2),
+             MeshConfig(data=2, sequence=2, tensor=2)]),
+]
+
+
+def ring_on_sequence(mesh: MeshConfig, **changes):
+    """The tests' tiny config, with ring attention on a ``sequence`` axis."""
+    config = TINY_CONFIG(mesh, **changes)
+    method = "ring" if mesh.sequence > 1 else config.attention.context_parallel
+    return dataclasses.replace(config, attention=dataclasses.replace(
+        config.attention, context_parallel=method))
+
+
+TINY_CONFIG = test_dpo.tiny_config
+test_dpo.tiny_config = ring_on_sequence
+
+
+def main() -> None:
+    path = pathlib.Path("/tmp/dpo_meshes.jsonl")
+    test_dpo._write_pairs(path)
+    for lora, meshes in CASES:
+        one, one_params = test_dpo._dpo_run(MeshConfig(data=1), path, lora)
+        for mesh in meshes:
+            history, params = test_dpo._dpo_run(mesh, path, lora)
+            diff = max(abs(a[k] - b[k]) for a, b in zip(history, one, strict=True)
+                       for k in ("loss", "rewards_margins", "rewards_chosen"))
+            assert_tensors_close(params, one_params, 1e-5)  # raises if not within 1e-5
+            print(f"lora={lora} {mesh}: params within 1e-5, metrics max |diff| {diff:.2e}")
+
+
+if __name__ == "__main__":
+    main()

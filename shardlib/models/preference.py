@@ -1,0 +1,182 @@
+"""Preference tuning as a loss over a batch layout: DPO (Rafailov et al. 2023) and SimPO
+(Meng et al. 2024, reference-free) on the GPT family, as a ``contract.Model``.
+
+A batch holds each pair's chosen and rejected sequence (prompt + completion) as
+next-token ``inputs`` / ``targets`` and a ``mask`` that is 1 on completion targets
+(``data.preference``). A sequence's log-probability is the sum over its completion
+tokens of log p(target | prefix) (SimPO: the mean).
+
+DPO's reference model is the policy at the start of training:
+
+- with LoRA, the same module with its adapters zeroed (W + s A B with A = B = 0 is W,
+  the frozen base), run under ``stop_gradient``: no second copy of the weights;
+- without LoRA, per-token log-probabilities computed once before training
+  (``run.preference.attach_reference``) and carried in the batch as
+  ``chosen_ref_logps`` / ``rejected_ref_logps`` (B, T) (no second copy of the weights
+  in training either).
+
+Metrics as TRL names them, with ``_`` for TRL's ``/`` (shardlib's metric names are flat):
+``rewards_chosen``, ``rewards_rejected``, ``rewards_margins``, ``rewards_accuracies``,
+``logps_chosen``, ``logps_rejected``; ``loss`` is the preference loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardlib import contract, precision
+from shardlib.config import Config
+from shardlib.errors import ConfigError
+from shardlib.models.lm import gpt_model, head_losses
+from shardlib.sharding import compute_platform
+
+OBJECTIVES = ("dpo", "simpo")
+SIDES = ("chosen", "rejected")
+PAIR_BATCH = {f"{side}_{part}": ("batch", "seq") for side in SIDES
+              for part in ("inputs", "targets", "mask")}
+# the reference's per-token log-probs, computed once before training (DPO without LoRA):
+# (B, T) like the rest, so that every batch array splits alike
+REFERENCE_BATCH = {f"{side}_ref_logps": ("batch", "seq") for side in SIDES}
+# what the GPT declares that a preference loss does not carry: a pipeline's staged loss,
+# token-LM data and sampling
+DROPPED = frozenset({"pipeline", "tokens", "generate"})
+
+
+def token_logps(module: nnx.Module, inputs_bt: jax.Array, targets_bt: jax.Array,
+                mask_bt: jax.Array, config: Config) -> jax.Array:
+    """log p(target) (B, T) in fp32 on masked targets, 0 elsewhere, through the GPT's head
+    (vocab-parallel under TP, in slices with ``model.loss_chunks``)."""
+    output = precision.resolve(config.precision, compute_platform()).output
+    x_btd, _ = module.final_hidden(inputs_bt)
+    losses_bt = head_losses(module, x_btd, targets_bt, output, config.model.loss_chunks)
+    return -losses_bt.astype(jnp.float32) * mask_bt.astype(jnp.float32)
+
+
+def sequence_logps(logps_bt: jax.Array, mask_bt: jax.Array, mean: bool = False) -> jax.Array:
+    """Each row's summed (``mean``: averaged over its masked targets) log-probs (B,)."""
+    logps_b = jnp.sum(logps_bt, axis=-1)
+    return logps_b / jnp.sum(mask_bt.astype(jnp.float32), axis=-1) if mean else logps_b
+
+
+def interleave(chosen_bt: jax.Array, rejected_bt: jax.Array) -> jax.Array:
+    """(B, ...) x 2 -> (2B, ...), row 2b chosen b and row 2b + 1 rejected b: each device's
+    rows of the pair stay on it (no communication), and one forward runs both sides."""
+    return jnp.stack([chosen_bt, rejected_bt], axis=1).reshape(-1, *chosen_bt.shape[1:])
+
+
+def pair_token_logps(module: nnx.Module, batch: contract.Batch, config: Config
+                     ) -> tuple[jax.Array, jax.Array]:
+    """(chosen, rejected) per-token log-probs (B, T) of ``module``, in one forward."""
+    inputs, targets, mask = (interleave(batch[f"chosen_{part}"], batch[f"rejected_{part}"])
+                             for part in ("inputs", "targets", "mask"))
+    logps_2bt = token_logps(module, inputs, targets, mask, config)
+    logps_b2t = logps_2bt.reshape(-1, 2, logps_2bt.shape[-1])
+    return logps_b2t[:, 0], logps_b2t[:, 1]
+
+
+def pair_logps(module: nnx.Module, batch: contract.Batch, config: Config,
+               mean: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(chosen, rejected) sequence log-probs (B,) of ``module``."""
+    return tuple(sequence_logps(logps_bt, batch[f"{side}_mask"], mean) for side, logps_bt
+                 in zip(SIDES, pair_token_logps(module, batch, config), strict=True))
+
+
+def adapters_off(module: nnx.Module) -> nnx.Module | None:
+    """``module`` with every LoRA adapter zeroed (the frozen base: the reference), or None
+    for a module without adapters. A new module over the same frozen weights."""
+    graphdef, adapters, rest = nnx.split(module, nnx.LoRAParam, ...)
+    if not jax.tree.leaves(adapters):
+        return None
+    zeros = jax.tree.map(jnp.zeros_like, adapters)
+    return nnx.merge(graphdef, zeros, rest)
+
+
+def reference_pair_logps(module: nnx.Module, batch: contract.Batch, config: Config
+                         ) -> tuple[jax.Array, jax.Array]:
+    """The reference's (chosen, rejected) log-probs: the batch's precomputed ones, else the
+    module with its adapters off; no gradient flows through either."""
+    if "chosen_ref_logps" in batch:
+        ref = tuple(sequence_logps(batch[f"{s}_ref_logps"], batch[f"{s}_mask"]) for s in SIDES)
+    else:
+        base = adapters_off(module)
+        if base is None:
+            raise ConfigError(
+                "train.objective=dpo: the batch has no chosen_ref_logps / rejected_ref_logps "
+                "and the model no LoRA adapters to turn off; with lora.rank=0 compute the "
+                "reference once (shardlib.run.preference.attach_reference), or set lora.rank")
+        ref = pair_logps(base, batch, config)
+    return tuple(jax.lax.stop_gradient(x.astype(jnp.float32)) for x in ref)
+
+
+def preference_metrics(loss_b: jax.Array, logps: tuple[jax.Array, jax.Array],
+                       rewards: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, contract.Metrics]:
+    """The mean loss and TRL's metrics (means over the rows) from per-row values."""
+    chosen, rejected = (jax.lax.stop_gradient(r) for r in rewards)
+    loss = jnp.mean(loss_b)
+    return loss, {"loss": loss,
+                  "rewards_chosen": jnp.mean(chosen), "rewards_rejected": jnp.mean(rejected),
+                  "rewards_margins": jnp.mean(chosen - rejected),
+                  "rewards_accuracies": jnp.mean((chosen > rejected).astype(jnp.float32)),
+                  "logps_chosen": jnp.mean(jax.lax.stop_gradient(logps[0])),
+                  "logps_rejected": jnp.mean(jax.lax.stop_gradient(logps[1]))}
+
+
+def dpo_loss(config: Config) -> contract.LossFn:
+    """DPO's sigmoid loss, -log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r))); the
+    rewards are beta (pi - ref) (TRL's ``DPOTrainer``, ``loss_type="sigmoid"``)."""
+    beta = config.dpo.beta
+
+    def loss(module: nnx.Module, batch: contract.Batch) -> tuple[jax.Array, contract.Metrics]:
+        logps = pair_logps(module, batch, config)
+        ref = reference_pair_logps(module, batch, config)
+        rewards = tuple(beta * (pi - r) for pi, r in zip(logps, ref, strict=True))
+        loss_b = -jax.nn.log_sigmoid(rewards[0] - rewards[1])
+        return preference_metrics(loss_b, logps, rewards)
+
+    return loss
+
+
+def simpo_loss(config: Config) -> contract.LossFn:
+    """SimPO: -log sigmoid(beta (avg_c - avg_r) - gamma) on length-normalised log-probs,
+    no reference; rewards beta avg (TRL's ``CPOTrainer``, ``loss_type="simpo"``,
+    ``cpo_alpha=0``)."""
+    beta, gamma = config.dpo.beta, config.dpo.simpo_gamma
+
+    def loss(module: nnx.Module, batch: contract.Batch) -> tuple[jax.Array, contract.Metrics]:
+        logps = pair_logps(module, batch, config, mean=True)
+        rewards = tuple(beta * x for x in logps)
+        loss_b = -jax.nn.log_sigmoid(rewards[0] - rewards[1] - gamma)
+        return preference_metrics(loss_b, logps, rewards)
+
+    return loss
+
+
+LOSSES: dict[str, Callable[[Config], contract.LossFn]] = {"dpo": dpo_loss, "simpo": simpo_loss}
+
+
+def check(config: Config) -> None:
+    """A ConfigError for an objective this module does not know."""
+    if config.train.objective not in OBJECTIVES:
+        raise ConfigError(f"train.objective={config.train.objective!r}: preference objectives "
+                          f"are {', '.join(OBJECTIVES)} (lm: next-token, the default)")
+
+
+def needs_reference(config: Config) -> bool:
+    """Whether the batch carries precomputed reference log-probs: DPO without LoRA."""
+    return config.train.objective == "dpo" and not config.lora.rank
+
+
+def preference_model(config: Config) -> contract.Model:
+    """The built-in GPT of ``config.model`` trained on ``config.train.objective``'s loss
+    over pairs (layout ``PAIR_BATCH``, plus ``REFERENCE_BATCH`` for DPO without LoRA)."""
+    check(config)
+    gpt = gpt_model(config)
+    layout = PAIR_BATCH | (REFERENCE_BATCH if needs_reference(config) else {})
+    return replace(gpt, loss=LOSSES[config.train.objective](config), batch=layout,
+                   capabilities=gpt.capabilities - DROPPED,
+                   name=f"{gpt.name}+{config.train.objective}")

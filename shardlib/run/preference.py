@@ -1,0 +1,99 @@
+"""A preference run's model and data (``train.objective=dpo|simpo``): the built-in GPT with
+``models.preference``'s loss, the JSONL of ``train.data`` tokenised with the run's
+tokenizer, and for DPO without LoRA the reference's per-token log-probabilities computed
+once, before training, from the weights the run starts from.
+
+The reference pass holds the starting parameters (``train.init_from``'s, else the seeded
+init) once, without optimizer state, and frees them before the training state is made:
+its peak is one copy of the parameters plus one batch's forward; what it keeps is two
+float32 arrays of (pairs, seq_len) on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import jax
+import numpy as np
+from flax import nnx
+
+from shardlib import precision
+from shardlib.config import Config
+from shardlib.contract import Model
+from shardlib.data import preference as pairs
+from shardlib.data.arrays import to_global
+from shardlib.data.loader import pick_tokenizer
+from shardlib.interop.hf import load_params
+from shardlib.models import preference
+from shardlib.sharding import compiling_for
+from shardlib.train import objective
+from shardlib.train.setup import TrainSetup
+from shardlib.train.state import init_state
+
+
+def model_and_data(config: Config) -> tuple[Model, pairs.PreferenceData]:
+    """The preference model of ``config`` and its batches (``train.data``'s pairs)."""
+    model = preference.preference_model(config)
+    tc = config.train
+    data = pairs.load(tc.data, pick_tokenizer(config, None), tc.seq_len, tc.batch_size, tc.seed)
+    return model, data
+
+
+def starting_params(setup: TrainSetup) -> nnx.State:
+    """The parameters the run starts from: ``train.init_from``'s, else the seeded init."""
+    config = setup.config
+    if config.train.init_from:
+        return load_params(config.train.init_from, config.model, setup.abstract_params,
+                           setup.state_shardings.params, dtype=setup.policy.param)
+    return init_state(setup, config.train.seed).params
+
+
+def token_logps_step(setup: TrainSetup):
+    """A jitted ``(params, batch) -> {side}_ref_logps`` (B, T) of the pairs under
+    ``params``, through XLA's partitioner on the setup's mesh."""
+    cfg = setup.config
+
+    def loss(module: nnx.Module, batch: dict) -> tuple[jax.Array, dict]:
+        logps = preference.pair_token_logps(module, batch, cfg)
+        return jax.numpy.zeros(()), {f"{side}_ref_logps": logps_bt for side, logps_bt
+                                     in zip(preference.SIDES, logps, strict=True)}
+
+    ref_setup = replace(setup, model=replace(setup.model, loss=loss))
+    keys = list(preference.PAIR_BATCH)
+    shardings = {k: _sharding_of(setup, k) for k in keys}
+
+    def run(params: nnx.State, batch: dict) -> dict:
+        with compiling_for(setup.mesh):
+            cast = precision.cast_params(params, policy=setup.policy)
+            metrics = objective.model_loss(ref_setup, setup.rules, cast, batch)[1]
+        return {k: v for k, v in metrics.items() if k.endswith("_ref_logps")}
+
+    return jax.jit(run, in_shardings=(setup.state_shardings.params, shardings)), keys, shardings
+
+
+def _sharding_of(setup: TrainSetup, key: str):
+    sh = setup.batch_sharding
+    return sh[key] if isinstance(sh, dict) else sh
+
+
+def attach_reference(setup: TrainSetup, data: pairs.PreferenceData) -> None:
+    """Add ``{side}_ref_logps`` (pairs, seq_len) to ``data``: the starting model's per-token
+    log-probs of every pair, in batches of ``train.batch_size`` (the last one padded)."""
+    params = starting_params(setup)
+    step, keys, shardings = token_logps_step(setup)
+    size, rows = data.size, setup.config.train.batch_size
+    out: dict[str, list[np.ndarray]] = {}
+    for start in range(0, size, rows):
+        batch = data.in_order(start, min(start + rows, size))
+        got = len(batch[keys[0]])
+        batch = {k: np.concatenate([v, np.repeat(v[-1:], rows - got, 0)]) for k, v in
+                 batch.items() if k in keys}
+        logps = jax.device_get(step(params, to_global(batch, shardings, keys)))
+        for k, v in logps.items():
+            out.setdefault(k, []).append(np.asarray(v, np.float32)[:got])
+    del params
+    for k, v in out.items():
+        data.add(k, np.concatenate(v))
+
+
+PreferenceData = pairs.PreferenceData
