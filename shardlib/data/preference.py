@@ -26,6 +26,7 @@ SIDES = ("chosen", "rejected")
 
 @dataclass(frozen=True)
 class Pair:
+    """One line of the JSONL: a prompt, the preferred and the dispreferred completion."""
     prompt: str
     chosen: str
     rejected: str

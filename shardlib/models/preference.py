@@ -180,3 +180,22 @@ def preference_model(config: Config) -> contract.Model:
     return replace(gpt, loss=LOSSES[config.train.objective](config), batch=layout,
                    capabilities=gpt.capabilities - DROPPED,
                    name=f"{gpt.name}+{config.train.objective}")
+
+
+def reference_model(config: Config) -> contract.Model:
+    """The built-in GPT of ``config.model`` whose "loss" is the pairs' per-token log-probs
+    (a zero objective; metrics ``{side}_ref_logps`` (B, T)): the one pass before a DPO run
+    without LoRA that gives the starting model's reference log-probs."""
+    gpt = gpt_model(config)
+
+    def loss(module: nnx.Module, batch: contract.Batch) -> tuple[jax.Array, contract.Metrics]:
+        logps = pair_token_logps(module, batch, config)
+        return jnp.zeros(()), {f"{side}_ref_logps": logps_bt
+                               for side, logps_bt in zip(SIDES, logps, strict=True)}
+
+    return replace(gpt, loss=loss, batch=PAIR_BATCH, name=f"{gpt.name}+reference")
+
+
+contract.register("preference", preference_model)
+contract.register("preference-reference", reference_model)
+

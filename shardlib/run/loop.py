@@ -29,7 +29,6 @@ from shardlib.distributed import main_print
 from shardlib.errors import ConfigError
 from shardlib.interop import peft
 from shardlib.interop.hf import pretrained_state
-from shardlib.models.preference import needs_reference
 from shardlib.reporting import NullReporter, Reporter
 from shardlib.run import (
     compile_cache,
@@ -116,7 +115,7 @@ def train(config: Config, *, model: Model | None = None, data: BatchSource | Non
         model, data = preference.model_and_data(config)
     with signals.sigterm_raises(), contextlib.ExitStack() as exits:
         config, source, setup = startup.preflight(config, devices, model, data)
-        if isinstance(data, preference.PreferenceData) and needs_reference(config):
+        if isinstance(data, preference.PreferenceData) and preference.needs_reference(setup.model):
             preference.attach_reference(setup, data)  # DPO without LoRA: once, before state
         loader = None if source is not None else ArrayLoader(
             data, setup.batch_sharding, setup.model.batch, config.train.batch_size,

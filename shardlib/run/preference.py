@@ -17,14 +17,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from shardlib import precision
+from shardlib import contract, precision
 from shardlib.config import Config
 from shardlib.contract import Model
 from shardlib.data import preference as pairs
 from shardlib.data.arrays import to_global
 from shardlib.data.loader import pick_tokenizer
 from shardlib.interop.hf import load_params
-from shardlib.models import preference
 from shardlib.sharding import compiling_for
 from shardlib.train import objective
 from shardlib.train.setup import TrainSetup
@@ -33,7 +32,7 @@ from shardlib.train.state import init_state
 
 def model_and_data(config: Config) -> tuple[Model, pairs.PreferenceData]:
     """The preference model of ``config`` and its batches (``train.data``'s pairs)."""
-    model = preference.preference_model(config)
+    model = contract.builtin(config, "preference")
     tc = config.train
     data = pairs.load(tc.data, pick_tokenizer(config, None), tc.seq_len, tc.batch_size, tc.seed)
     return model, data
@@ -48,18 +47,17 @@ def starting_params(setup: TrainSetup) -> nnx.State:
     return init_state(setup, config.train.seed).params
 
 
+def needs_reference(model: Model) -> bool:
+    """Whether ``model``'s batches carry precomputed reference log-probs (DPO without
+    LoRA: its layout names ``{side}_ref_logps``)."""
+    return any(key.endswith("_ref_logps") for key in model.batch)
+
+
 def token_logps_step(setup: TrainSetup):
     """A jitted ``(params, batch) -> {side}_ref_logps`` (B, T) of the pairs under
     ``params``, through XLA's partitioner on the setup's mesh."""
-    cfg = setup.config
-
-    def loss(module: nnx.Module, batch: dict) -> tuple[jax.Array, dict]:
-        logps = preference.pair_token_logps(module, batch, cfg)
-        return jax.numpy.zeros(()), {f"{side}_ref_logps": logps_bt for side, logps_bt
-                                     in zip(preference.SIDES, logps, strict=True)}
-
-    ref_setup = replace(setup, model=replace(setup.model, loss=loss))
-    keys = list(preference.PAIR_BATCH)
+    ref_setup = replace(setup, model=contract.builtin(setup.config, "preference-reference"))
+    keys = list(ref_setup.model.batch)
     shardings = {k: _sharding_of(setup, k) for k in keys}
 
     def run(params: nnx.State, batch: dict) -> dict:
