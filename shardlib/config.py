@@ -292,7 +292,7 @@ class LoRAConfig:
 
     rank: int = 0  # 0: off (full fine-tuning); 8 or 16 is usual
     alpha: float = 16.0  # the adapter's scale is alpha / rank: its output, not its init
-    dropout: float = 0.0  # peft's lora_dropout: not supported, refused above 0
+    dropout: float = 0.0  # peft's lora_dropout: on the adapter's input x, in training only
     rslora: bool = False  # scale alpha / sqrt(rank) (rank-stabilised LoRA) instead of alpha / rank
     # comma-separated regular expressions, each searched in a weight's path (e.g.
     # ``blocks.attn.w_q_dhk``, or ``layers.0.kernel`` in a model of nnx.Linear): the
