@@ -301,6 +301,11 @@ class LoRAConfig:
     # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) the
     # adapters start from, with train.init_from its base model; "" = fresh adapters
     adapter: str = ""
+    # QLoRA: the frozen base of each targeted weight stored quantized and dequantized per
+    # layer in the step (``shardlib.models.quant``): none | nf4 | int8 | fp8
+    base_quant: str = "none"
+    quant_block: int = 64  # weights per scale, along each weight's last dim (QLoRA: 64)
+    double_quant: bool = True  # the scales in 8 bits too, 256 per fp32 scale (QLoRA's)
 
     def patterns(self) -> tuple[str, ...]:
         return tuple(p.strip() for p in self.targets.split(",") if p.strip())

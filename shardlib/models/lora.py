@@ -39,6 +39,7 @@ from shardlib.annotations import declared_dims
 from shardlib.config import LoRAConfig
 from shardlib.contract import Model
 from shardlib.errors import ConfigError
+from shardlib.models import quant
 from shardlib.models.layers import OwnProjection, linear
 
 STACK_DIMS = ("layers", "expert")  # leading dims an adapter keeps (one adapter per layer)
@@ -70,14 +71,20 @@ class Adapted(OwnProjection):
     projects (``project``) as x W + s drop(x) A B when its dropout is on."""
 
     def __init__(self, base: nnx.Param, *, rank: int, scale: float, rngs: nnx.Rngs,
-                 dtype: Any = None, dropout: float = 0.0):
+                 dtype: Any = None, dropout: float = 0.0, cfg: LoRAConfig | None = None):
         shape = tuple(base.shape)
         dims = declared_dims(base) or (None,) * len(shape)
         lead = next((i for i, d in enumerate(dims) if d not in STACK_DIMS), len(shape))
         ins = len(shape) - lead - 1 if dims[-1] == "embed" and len(shape) - lead > 2 else 1
         cut = lead + ins
-        value = base.get_value() if dtype is None else base.get_value().astype(dtype)
-        self.base = base.replace(value=value)
+        if cfg is not None and cfg.base_quant != "none":  # QLoRA: no full-precision copy
+            self.base = quant.Quantized(base.get_value(), dims, fmt=cfg.base_quant,
+                                        block=cfg.quant_block, double_quant=cfg.double_quant,
+                                        lead=lead, dtype=dtype)
+        else:
+            value = base.get_value() if dtype is None else base.get_value().astype(dtype)
+            self.base = base.replace(value=value)
+        self.logical = dims
         init_a = jax.nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform",
                                                       in_axis=tuple(range(lead, cut)),
                                                       batch_axis=tuple(range(lead)))
@@ -197,7 +204,7 @@ def add_adapters(module: nnx.Module, cfg: LoRAConfig, rngs: nnx.Rngs,
         for k in key[:-1]:
             parent = parent[k] if isinstance(k, int) else getattr(parent, k)
         adapted = Adapted(var, rank=cfg.rank, scale=scale(cfg), rngs=rngs, dtype=dtype,
-                          dropout=cfg.dropout)
+                          dropout=cfg.dropout, cfg=cfg)
         if isinstance(key[-1], int):
             parent[key[-1]] = adapted
         else:
@@ -222,7 +229,9 @@ def merge_adapters(module: nnx.Module) -> nnx.Module:
         parent = module
         for k in parents:
             parent = parent[int(k)] if k.isdigit() else getattr(parent, k)
-        merged = node.base.replace(value=node.merged())
+        merged = (nnx.Param(node.merged(), logical=node.logical)  # QLoRA: dequantized
+                  if isinstance(node.base, quant.Quantized)
+                  else node.base.replace(value=node.merged()))
         if last.isdigit():
             parent[int(last)] = merged
         else:
@@ -261,6 +270,11 @@ def check(cfg: LoRAConfig) -> None:
     """ConfigErrors for values the adapters cannot take (ranges: ``config_check``)."""
     if cfg.rank < 1:
         raise ConfigError(f"lora.rank={cfg.rank}: adapters need rank >= 1 (0 turns LoRA off)")
+    if cfg.base_quant not in ("none", *quant.FORMATS):
+        raise ConfigError(f"lora.base_quant={cfg.base_quant!r}: not a format; choose one of "
+                          f"none, {', '.join(quant.FORMATS)} (nf4: QLoRA's 4-bit NormalFloat)")
+    if cfg.quant_block < 1:
+        raise ConfigError(f"lora.quant_block={cfg.quant_block}: must be >= 1 (64 is QLoRA's)")
     if not 0 <= cfg.dropout < 1:
         raise ConfigError(f"lora.dropout={cfg.dropout}: must be in [0, 1) (peft's lora_dropout;"
                           " 0.05 or 0.1 is usual)")
