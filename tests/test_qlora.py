@@ -138,3 +138,29 @@ def test_compiled_base_bytes_per_device_are_the_formula():
     formula = weights / 4 * quant.bytes_per_weight("nf4", 64, True)
     measured = compiled.memory_analysis().argument_size_in_bytes
     assert formula <= measured <= formula * 1.01, (measured, formula)
+
+
+def test_hf_checkpoint_is_quantized_on_the_way_in(tmp_path):
+    """``--init-from`` with ``lora.base_quant``: the base's codes are those of the
+    checkpoint's weights (read as plain LoRA reads them), sharded as the base; the
+    dropout key is the fresh state's."""
+    from shardlib.interop import hf
+    from tests.test_lora import _tiny_hf
+
+    torch_model = _tiny_hf("llama")
+    torch_model.save_pretrained(tmp_path)
+    lora_cfg = LoRAConfig(rank=2, base_quant="nf4", quant_block=8, dropout=0.1)
+    config = dataclasses.replace(tiny_config(MeshConfig(data=1, fsdp=2)),
+                                 model=hf.load_config(tmp_path), lora=lora_cfg)
+    config = dataclasses.replace(config, train=dataclasses.replace(
+        config.train, init_from=str(tmp_path)))
+    setup = shardlib.build_setup(config, jax.devices()[:2])
+    state = hf.pretrained_state(setup, tmp_path).model_state
+    up = np.stack([layer.mlp.up_proj.weight.detach().numpy().T  # (embed, mlp) per layer
+                   for layer in torch_model.model.layers])
+    want = quant.Quantized(jnp.asarray(up), ("layers", "embed", "mlp"), fmt="nf4", block=8,
+                           double_quant=True, lead=1)
+    ours = state["blocks"]["mlp"]["w_in_df"]["base"]
+    np.testing.assert_array_equal(ours["codes"].get_value(), want.codes.get_value())
+    assert ours["codes"].get_value().sharding.spec[1] == "fsdp"
+    assert state[lora.KEY].get_value().shape == (2,)  # the dropout key, kept

@@ -214,6 +214,24 @@ def add_adapters(module: nnx.Module, cfg: LoRAConfig, rngs: nnx.Rngs,
     return module
 
 
+def quantize_bases(module: nnx.Module, cfg: LoRAConfig) -> nnx.Module:
+    """``module`` with every adapter's full-precision base replaced by its quantization in
+    ``cfg.base_quant`` (QLoRA; a checkpoint's weights quantized on the way in)."""
+    for _, node in adapters(module):
+        if not isinstance(node.base, quant.Quantized):
+            lead = a_lead(node)
+            node.base = quant.Quantized(node.base.get_value(), node.logical,
+                                        fmt=cfg.base_quant, block=cfg.quant_block,
+                                        double_quant=cfg.double_quant, lead=lead,
+                                        dtype=node.base.dtype)
+    return module
+
+
+def a_lead(node: Adapted) -> int:
+    """The stacking dims an adapter keeps (A's dims beyond its in dims and rank)."""
+    return node.lora_a.ndim - 1 - node.ins
+
+
 def adapters(module: nnx.Module) -> Iterator[tuple[str, Adapted]]:
     """Every ``Adapted`` in ``module`` with its dotted path (the weight's own)."""
     for key, node in nnx.iter_graph(module):
