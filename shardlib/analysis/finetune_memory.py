@@ -21,22 +21,29 @@ ADAM_BYTES = 8  # AdamW's two fp32 moments per trained weight
 @dataclass(frozen=True)
 class Counts:
     """Weights by role: ``adapted`` (the targets' frozen bases), ``frozen`` (the rest of
-    the model), ``adapters`` (LoRA's A and B); under full fine-tuning all are trained."""
+    the model), ``adapters`` (LoRA's A and B); under full fine-tuning all are trained.
+    ``whole_*``: those of them the rules leave unsplit (every device holds them whole:
+    norms, and the B of a weight whose output dims FSDP does not split)."""
     adapted: int
     frozen: int
     adapters: int = 0
+    whole_frozen: int = 0
+    whole_adapters: int = 0
 
 
 def full_bytes(counts: Counts, shards: int, param_bytes: int = 4) -> float:
     """Full fine-tuning: every weight and its two moments."""
-    return (counts.adapted + counts.frozen) * (param_bytes + ADAM_BYTES) / shards
+    split = counts.adapted + counts.frozen - counts.whole_frozen
+    return (split / shards + counts.whole_frozen) * (param_bytes + ADAM_BYTES)
 
 
 def lora_bytes(counts: Counts, shards: int, *, base_bytes: float, param_bytes: int = 4) -> float:
     """LoRA (``base_bytes`` = the compute dtype's size) or QLoRA (``base_bytes`` =
     ``quant.bytes_per_weight``): frozen bases, frozen rest, trained adapters."""
-    return (counts.adapted * base_bytes + counts.frozen * param_bytes
-            + counts.adapters * (param_bytes + ADAM_BYTES)) / shards
+    trained = param_bytes + ADAM_BYTES
+    split = (counts.adapted * base_bytes + (counts.frozen - counts.whole_frozen) * param_bytes
+             + (counts.adapters - counts.whole_adapters) * trained)
+    return split / shards + counts.whole_frozen * param_bytes + counts.whole_adapters * trained
 
 
 def qlora_base_bytes(fmt: str, block: int, double_quant: bool) -> float:
