@@ -437,6 +437,10 @@ def export_pretrained(directory: str | os.PathLike, out: str | os.PathLike,
         keys = {path.split(".", 1)[1]: key
                 for path, (key, _) in checkpointer.saved_arrays(step).items()
                 if path.startswith(("params.", "model_state."))}  # LoRA: the base is state
+        if saved_lora(checkpointer.saved_config(step)).base_quant != "none":
+            raise ConfigError(f"{directory}: a QLoRA checkpoint (lora.base_quant); its base is "
+                              "quantized and this export merges on the host; merge in Python "
+                              "(models.lora.merge_adapters, then hf.save_pretrained)")
         reader = ocp.PyTreeCheckpointer()
         read = lambda name: read_array(reader, checkpointer, step, keys[name])
         get = _merging(read, keys, saved_lora(checkpointer.saved_config(step)))

@@ -143,7 +143,7 @@ class Adapted(OwnProjection):
         operands, out = spec.split("->")
         x_dims, w_dims = operands.split(",")
         a, b = self.lora_a[...], self.lora_b[...]
-        if a.ndim != self.ins + 1 or len(w_dims) != self.base[...].ndim:
+        if a.ndim != self.ins + 1 or len(w_dims) != len(self.shape):
             raise ConfigError(f"lora.dropout={self.dropout}: {spec!r} reads a stacked weight "
                               "whole; dropout needs one layer's weight (a layer scan)")
         ins, outs = w_dims[:self.ins], w_dims[self.ins:]
