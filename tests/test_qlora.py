@@ -98,15 +98,15 @@ def _module(config):
 def test_qlora_logits_are_loras_on_dequantized_weights_and_close_to_fp32():
     tokens = np.random.default_rng(1).integers(0, 256, (2, 16)).astype(np.int32)
     full, qlora = _module(_tiny()), _module(_tiny(base_quant="nf4"))
+    call = nnx.jit(lambda model, tokens: model(tokens))
+    fp32 = np.asarray(call(full, tokens))
     for (_, q), (_, f) in zip(lora.adapters(qlora), lora.adapters(full), strict=True):
         np.testing.assert_array_equal(q.lora_a.get_value(), f.lora_a.get_value())
         f.base.set_value(q.base.dequantized())  # LoRA on the dequantized base
-    call = nnx.jit(lambda model, tokens: model(tokens))
     ref, got = np.asarray(call(full, tokens)), np.asarray(call(qlora, tokens))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
-    fp32 = np.asarray(call(_module(_tiny()), tokens))
     err = np.sqrt(np.mean((got - fp32) ** 2) / np.mean((fp32 - fp32.mean()) ** 2))
-    assert 1e-3 < err < 0.15, err  # measured 0.092: NF4's ~10% RMS weight error
+    assert 1e-3 < err < 0.15, err  # measured 0.092 (4-bit weights of a random init)
 
 
 def test_qlora_trains_on_a_2x2x2_mesh_like_one_device():
