@@ -118,11 +118,12 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("cpu", "v5litepod-8", "h100x8"), default=None)
     parser.add_argument("--formula-only", action="store_true", help="no compiles, no CSV")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     args = parser.parse_args(argv)
     places = [args.only] if args.only else ["cpu", "v5litepod-8", "h100x8"]
     rows = []
     for where in places:
-        for mode in MODES:
+        for mode in args.modes:
             try:
                 row = measure(where, mode, compile_it=not args.formula_only)
             except Exception as err:  # a target whose compiler is not installed, OOM

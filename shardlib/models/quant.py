@@ -8,6 +8,11 @@ gives one scale per block. Blocks run along the weight's last dim (``block`` val
 so the scales take the weight's logical dims and shard by its rules whenever the block
 count of a sharded dim divides by the mesh axis.
 
+NF4's 4-bit codes are stored two to a byte (``pack_nibbles``), in ``uint8``: jax's own
+``uint4`` arrays trip an ahead-of-time compiled step on XLA CPU (a sub-byte layout the
+live arrays do not carry) and move as ``u8`` anyway on its wire, so the packing is done
+here and undone inside the step.
+
 What qwix lacks is the paper's *double quantization* (the block scales themselves
 quantized); ``double_quantize`` adds it on top of qwix's arrays: the scales minus their
 mean, in 8-bit floats with one fp32 scale per ``SCALE_BLOCK`` of them (the paper's
@@ -69,6 +74,18 @@ def _tiles(shape: tuple[int, ...], lead: int, budget: int) -> dict[int, int]:
     return tiles
 
 
+def pack_nibbles(codes: jax.Array) -> jax.Array:
+    """4-bit codes (..., n) as bytes (..., n / 2): even positions in the low nibble."""
+    pairs = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], -1, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_nibbles(packed: jax.Array) -> jax.Array:
+    """``pack_nibbles`` undone: (..., n / 2) bytes -> (..., n) codes (``uint8``)."""
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+    return codes.reshape(*packed.shape[:-1], -1)
+
+
 @dataclass(frozen=True)
 class DoubleQuantized:
     """First-level scales as 8-bit codes, their second-level fp32 scales and the mean
@@ -102,14 +119,16 @@ class Quantized(nnx.Module):
 
     def __init__(self, w: jax.Array, dims: tuple[str | None, ...], *, fmt: str, block: int,
                  double_quant: bool, lead: int, dtype: Any = None):
-        if w.shape[-1] % block:
+        if w.shape[-1] % block or (fmt == "nf4" and block % 2):
             raise ConfigError(f"lora.quant_block={block}: does not divide the last dim "
                               f"({w.shape[-1]}) of a weight of shape {tuple(w.shape)}; choose a "
-                              "block size that divides it (64 is the paper's)")
+                              "block size that divides it (even for nf4; 64 is the paper's)")
         q = qwix_module().quantize(w.astype(jnp.float32), FORMATS[fmt],
                                    tiled_axes={w.ndim - 1: block},
                                    channelwise_axes=tuple(range(w.ndim - 1)))
-        self.codes = QuantCodes(q.qvalue, logical=dims)
+        self.packed = fmt == "nf4"  # two 4-bit codes per byte
+        codes = pack_nibbles(q.qvalue) if self.packed else q.qvalue
+        self.codes = QuantCodes(codes, logical=dims)
         if double_quant:
             dq = double_quantize(q.scale, lead)
             self.scale_codes = QuantCodes(dq.codes, logical=dims)
@@ -124,7 +143,8 @@ class Quantized(nnx.Module):
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.codes.shape)
+        *lead, last = self.codes.shape
+        return (*lead, last * 2 if self.packed else last)
 
     @property
     def dtype(self) -> Any:
@@ -146,5 +166,6 @@ class Quantized(nnx.Module):
     def dequantized(self) -> jax.Array:
         """The weight, dequantized (in ``dtype``)."""
         qwix = qwix_module()
-        q = qwix.QArray(self.codes[...], self.scales(), None, FORMATS[self.fmt])
+        codes = unpack_nibbles(self.codes[...]) if self.packed else self.codes[...]
+        q = qwix.QArray(codes, self.scales(), None, FORMATS[self.fmt])
         return qwix.dequantize(q).astype(self.out_dtype)
