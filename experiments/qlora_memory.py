@@ -72,10 +72,13 @@ def counts_of(setup) -> fm.Counts:
     if state.model_state is None:
         return fm.Counts(adapted=trained, frozen=0, whole_frozen=trained_whole)
     adapted = frozen = frozen_whole = 0
+    per_code = 2 if setup.config.lora.base_quant == "nf4" else 1  # nf4: two codes a byte
     for key, var in nnx.to_flat_state(state.model_state):
         path, v = ".".join(map(str, key)), var.get_value()
-        if path.endswith((".base", ".base.codes")):
+        if path.endswith(".base"):
             adapted += size(v)
+        elif path.endswith(".base.codes"):
+            adapted += size(v) * per_code
         elif ".base." not in path and isinstance(var, nnx.Param):
             frozen += size(v)
             frozen_whole += size(v) if whole(v) else 0
