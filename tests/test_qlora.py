@@ -172,3 +172,12 @@ def test_hf_checkpoint_is_quantized_on_the_way_in(tmp_path):
     np.testing.assert_array_equal(ours["codes"].get_value(), want.codes.get_value())
     assert ours["codes"].get_value().sharding.spec[1] == "fsdp"
     assert state[lora.KEY].get_value().shape == (2,)  # the dropout key, kept
+
+
+def test_bad_quant_values_name_the_field():
+    from shardlib.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"lora.base_quant='nf3': not a format; .*nf4"):
+        lora.check(LoRAConfig(rank=2, base_quant="nf3"))
+    with pytest.raises(ConfigError, match=r"lora.quant_block=48: does not divide"):
+        _quantized("nf4", True, block=48)
