@@ -89,7 +89,7 @@ def test_bytes_per_weight_formula_is_qloras():
 
 def _tiny(**lora_changes):
     config = tiny_config(MeshConfig(data=1), steps=3)
-    lora_cfg = LoRAConfig(**{"rank": 4, "alpha": 8.0, "quant_block": 16, **lora_changes})
+    lora_cfg = LoRAConfig(**{"rank": 4, "alpha": 8.0, "quant_block": 8, **lora_changes})
     return dataclasses.replace(config, lora=lora_cfg,
                                optim=dataclasses.replace(config.optim, lr=1e-2))
 
@@ -135,7 +135,7 @@ def test_compiled_base_bytes_per_device_are_the_formula():
     config = dataclasses.replace(_tiny(base_quant="nf4", quant_block=64),
                                  mesh=MeshConfig(data=1, fsdp=4))
     config = dataclasses.replace(config, model=dataclasses.replace(
-        config.model, d_model=256, d_ff=1024, num_heads=4))
+        config.model, d_model=256, d_ff=1024, num_heads=2))
     setup = shardlib.build_setup(config, jax.devices()[:4])
     shardings = dict(nnx.to_flat_state(setup.state_shardings.model_state))
     base = {".".join(map(str, k)): jax.ShapeDtypeStruct(v.shape, v.dtype,
@@ -157,7 +157,7 @@ def test_hf_checkpoint_is_quantized_on_the_way_in(tmp_path):
 
     torch_model = _tiny_hf("llama")
     torch_model.save_pretrained(tmp_path)
-    lora_cfg = LoRAConfig(rank=2, base_quant="nf4", quant_block=8, dropout=0.1)
+    lora_cfg = LoRAConfig(rank=2, base_quant="nf4", quant_block=4, dropout=0.1)
     config = dataclasses.replace(tiny_config(MeshConfig(data=1, fsdp=2)),
                                  model=hf.load_config(tmp_path), lora=lora_cfg)
     config = dataclasses.replace(config, train=dataclasses.replace(
@@ -166,7 +166,7 @@ def test_hf_checkpoint_is_quantized_on_the_way_in(tmp_path):
     state = hf.pretrained_state(setup, tmp_path).model_state
     up = np.stack([layer.mlp.up_proj.weight.detach().numpy().T  # (embed, mlp) per layer
                    for layer in torch_model.model.layers])
-    want = quant.Quantized(jnp.asarray(up), ("layers", "embed", "mlp"), fmt="nf4", block=8,
+    want = quant.Quantized(jnp.asarray(up), ("layers", "embed", "mlp"), fmt="nf4", block=4,
                            double_quant=True, lead=1)
     ours = state["blocks"]["mlp"]["w_in_df"]["base"]
     np.testing.assert_array_equal(ours["codes"].get_value(), want.codes.get_value())

@@ -8,10 +8,9 @@ gives one scale per block. Blocks run along the weight's last dim (``block`` val
 so the scales take the weight's logical dims and shard by its rules whenever the block
 count of a sharded dim divides by the mesh axis.
 
-NF4's 4-bit codes are stored two to a byte (``pack_nibbles``), in ``uint8``: jax's own
-``uint4`` arrays trip an ahead-of-time compiled step on XLA CPU (a sub-byte layout the
-live arrays do not carry) and move as ``u8`` anyway on its wire, so the packing is done
-here and undone inside the step.
+NF4's 4-bit codes are stored two to a byte (``pack_nibbles``), in ``uint8``: with jax's own
+``uint4`` arrays the loop's ahead-of-time compiled step rejects its own output on XLA CPU
+(a sub-byte layout), so the packing is done here and undone inside the step.
 
 What qwix lacks is the paper's *double quantization* (the block scales themselves
 quantized); ``double_quantize`` adds it on top of qwix's arrays: the scales minus their
@@ -75,15 +74,16 @@ def _tiles(shape: tuple[int, ...], lead: int, budget: int) -> dict[int, int]:
 
 
 def pack_nibbles(codes: jax.Array) -> jax.Array:
-    """4-bit codes (..., n) as bytes (..., n / 2): even positions in the low nibble."""
-    pairs = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], -1, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4)
+    """4-bit codes (..., n) as bytes (..., n / 2): the first half of the last dim in the
+    low nibbles, the second half in the high ones (no dim of size 2 appears, which a TPU
+    would pad to 128 lanes)."""
+    low, high = jnp.split(codes.astype(jnp.uint8), 2, axis=-1)
+    return low | (high << 4)
 
 
 def unpack_nibbles(packed: jax.Array) -> jax.Array:
     """``pack_nibbles`` undone: (..., n / 2) bytes -> (..., n) codes (``uint8``)."""
-    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
-    return codes.reshape(*packed.shape[:-1], -1)
+    return jnp.concatenate([packed & 0xF, packed >> 4], axis=-1)
 
 
 @dataclass(frozen=True)
@@ -119,10 +119,10 @@ class Quantized(nnx.Module):
 
     def __init__(self, w: jax.Array, dims: tuple[str | None, ...], *, fmt: str, block: int,
                  double_quant: bool, lead: int, dtype: Any = None):
-        if w.shape[-1] % block or (fmt == "nf4" and block % 2):
+        if w.shape[-1] % (2 * block if fmt == "nf4" else block):
             raise ConfigError(f"lora.quant_block={block}: does not divide the last dim "
                               f"({w.shape[-1]}) of a weight of shape {tuple(w.shape)}; choose a "
-                              "block size that divides it (even for nf4; 64 is the paper's)")
+                              "block size that divides it (nf4: twice; 64 is the paper's)")
         q = qwix_module().quantize(w.astype(jnp.float32), FORMATS[fmt],
                                    tiled_axes={w.ndim - 1: block},
                                    channelwise_axes=tuple(range(w.ndim - 1)))
