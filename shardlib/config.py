@@ -301,7 +301,7 @@ class LoRAConfig:
 
     rank: int = 0  # 0: off (full fine-tuning); 8 or 16 is usual
     alpha: float = 16.0  # the adapter's scale is alpha / rank: its output, not its init
-    dropout: float = 0.0  # peft's lora_dropout: not supported, refused above 0
+    dropout: float = 0.0  # peft's lora_dropout: on the adapter's input x, in training only
     rslora: bool = False  # scale alpha / sqrt(rank) (rank-stabilised LoRA) instead of alpha / rank
     # comma-separated regular expressions, each searched in a weight's path (e.g.
     # ``blocks.attn.w_q_dhk``, or ``layers.0.kernel`` in a model of nnx.Linear): the
@@ -310,6 +310,11 @@ class LoRAConfig:
     # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) the
     # adapters start from, with train.init_from its base model; "" = fresh adapters
     adapter: str = ""
+    # QLoRA: the frozen base of each targeted weight stored quantized and dequantized per
+    # layer in the step (``shardlib.models.quant``): none | nf4 | int8 | fp8
+    base_quant: str = "none"
+    quant_block: int = 64  # weights per scale, along each weight's last dim (QLoRA: 64)
+    double_quant: bool = True  # the scales in 8 bits too, 256 per fp32 scale (QLoRA's)
 
     def patterns(self) -> tuple[str, ...]:
         return tuple(p.strip() for p in self.targets.split(",") if p.strip())

@@ -40,7 +40,7 @@ RANGES: dict[str, dict[str, str]] = {
     "pipeline": {"microbatches": ">=0", "virtual_stages": ">=1"},
     "checkpoint": {"every": ">=0", "keep": ">=1"},
     "data": {"workers": "[0,64]", "prefetch": ">=0"},
-    "lora": {"rank": ">=0", "alpha": ">0", "dropout": "[0,1)"},
+    "lora": {"rank": ">=0", "alpha": ">0", "dropout": "[0,1)", "quant_block": ">=1"},
     "dpo": {"beta": ">0", "simpo_gamma": ">=0"},
 }
 OBJECTIVES = ("lm", "dpo", "simpo")  # train.objective (shardlib.models.preference)

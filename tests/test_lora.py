@@ -104,8 +104,8 @@ def test_bad_values_name_the_field():
     with pytest.raises(ConfigError, match=r"lora.targets: 'nothing_here' matches none .*"
                                           r"blocks.0.kernel"):
         shardlib.build_setup(config, jax.devices()[:1], model=_user_model())
-    with pytest.raises(ConfigError, match=r"lora.dropout=0.1"):
-        lora.with_lora(_user_model(), LoRAConfig(rank=2, dropout=0.1))
+    with pytest.raises(ConfigError, match=r"lora.dropout=1.0: must be in \[0, 1\)"):
+        lora.with_lora(_user_model(), LoRAConfig(rank=2, dropout=1.0))
     from shardlib.cli import build_parser, config_from_args
 
     set_ = config_from_args(build_parser().parse_args(
@@ -126,6 +126,70 @@ def test_merge_keeps_the_function():
     lora.merge_adapters(model)
     assert not list(lora.adapters(model))
     np.testing.assert_allclose(np.asarray(model(x)), adapted, rtol=1e-6, atol=1e-6)
+
+
+# --- dropout --------------------------------------------------------------------------
+
+def _adapted(p: float, w_df: np.ndarray, a_dr: np.ndarray, b_rf: np.ndarray) -> lora.Adapted:
+    base = nnx.Param(jnp.asarray(w_df), logical=("embed", "mlp"))
+    node = lora.Adapted(base, rank=a_dr.shape[1], scale=2.0, rngs=nnx.Rngs(0), dropout=p)
+    node.lora_a.set_value(jnp.asarray(a_dr))
+    node.lora_b.set_value(jnp.asarray(b_rf))
+    return node
+
+
+def test_dropout_is_peft_formula_on_the_adapter_path_only():
+    """y = x W + s drop(x) A B: the mask read off an identity adapter (s / (1-p) where
+    kept, 0 where dropped: the expected scale) gives the random adapter's output by
+    peft's formula; a zero B leaves x W exactly; eval mode is the merged weight."""
+    p, d, rng = 0.25, 8, np.random.default_rng(0)
+    w, x = rng.normal(size=(d, d)).astype(np.float32), np.ones((4, 64, d), np.float32)
+    key = jax.random.key(3)
+    with lora.dropout_key(key):
+        eye = _adapted(p, w, np.eye(d, dtype=np.float32), np.eye(d, dtype=np.float32))
+        kept = np.asarray(eye.project("btd,df->btf", x)) - x @ w  # s/(1-p) * mask
+        np.testing.assert_allclose(np.unique(kept.round(5)), [0.0, 2.0 / (1 - p)], atol=1e-5)
+        mask = kept > 1.0  # kept: 2 / (1 - p), dropped: 0 (up to rounding)
+        assert abs((1 - mask.mean()) - p) < 4 * (p * (1 - p) / kept.size) ** 0.5
+        a, b = (rng.normal(size=s).astype(np.float32) for s in ((d, 3), (3, d)))
+        x = rng.normal(size=x.shape).astype(np.float32)
+        node = _adapted(p, w, a, b)
+        node.salt.set_value(eye.salt.get_value())  # the same mask
+        want = x @ w + 2.0 * (x * mask / (1 - p)) @ a @ b
+        np.testing.assert_allclose(node.project("btd,df->btf", x), want, rtol=1e-5, atol=1e-5)
+        zero_b = _adapted(p, w, a, np.zeros_like(b))
+        np.testing.assert_allclose(zero_b.project("btd,df->btf", x), x @ w, rtol=1e-6, atol=1e-6)
+        node.eval()
+        np.testing.assert_array_equal(node.project("btd,df->btf", x),
+                                      lora.linear("btd,df->btf", x, node[...]))
+
+
+def test_dropout_off_in_eval_fresh_per_key_and_advanced_by_the_loss():
+    """(Training with dropout on a 2x2x2 mesh like one device: tests/test_qlora.py.)"""
+    config = lora_config(tiny_config(MeshConfig(data=1)), alpha=8.0, dropout=0.3)
+    setup = shardlib.build_setup(config, jax.devices()[:1])
+    state = shardlib.init_state(setup, seed=0)
+    key0 = np.asarray(state.model_state[lora.KEY].get_value())
+    module = nnx.merge(setup.graphdef, state.params, state.model_state)
+    for _, node in lora.adapters(module):
+        node.lora_b.set_value(jnp.full(node.lora_b.shape, 0.05))
+    tokens = TOKENS[:, :8] % setup.config.model.vocab_size
+
+    @nnx.jit
+    def logits(module, key):  # the key an argument: a traced value, not a constant
+        with lora.dropout_key(key):
+            return module(tokens)
+
+    module.eval()
+    evals = np.asarray(logits(module, jax.random.key(0)))
+    np.testing.assert_array_equal(evals, np.asarray(logits(module, jax.random.key(1))))
+    module.train()
+    a0 = np.asarray(logits(module, jax.random.key(0)))
+    np.testing.assert_array_equal(a0, np.asarray(logits(module, jax.random.key(0))))
+    a1 = np.asarray(logits(module, jax.random.key(1)))
+    assert np.abs(a0 - evals).max() > 1e-4 and np.abs(a0 - a1).max() > 1e-4
+    setup.model.loss(module, {"inputs": tokens, "targets": tokens})  # advances the key
+    assert not np.array_equal(np.asarray(getattr(module, lora.KEY).get_value()), key0)
 
 
 # --- against peft ------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from shardlib.models.gpt import GPT
 from shardlib.train.setup import TrainSetup, TrainState
 from shardlib.train.state import (
     abstract_state,
+    build_setup,
     init_state,
     named_tree,
     param_specs,
@@ -296,11 +297,34 @@ def pretrained_state(setup: TrainSetup, path: str | os.PathLike) -> TrainState:
 
 
 def _pretrained_lora_state(setup: TrainSetup, path: str | os.PathLike) -> TrainState:
-    """A fresh LoRA TrainState: the frozen base read from ``path`` in the compute dtype."""
+    """A fresh LoRA TrainState: the frozen base read from ``path`` in the compute dtype
+    (QLoRA, ``lora.base_quant``: then quantized on the device, in one jit whose output
+    is sharded as the quantized base); the dropout key and salts as initialised."""
     state = init_state(setup, setup.config.train.seed)
-    base = load_params(path, setup.config.model, abstract_state(setup).model_state,
-                       setup.state_shardings.model_state, dtype=setup.policy.compute)
-    return dataclasses.replace(state, model_state=base)
+    cfg = setup.config.lora
+    plain = setup if cfg.base_quant == "none" else build_setup(
+        dataclasses.replace(setup.config, lora=dataclasses.replace(cfg, base_quant="none")),
+        list(setup.mesh.devices.flat))  # the built-in GPT, its base unquantized
+    frozen = lambda tree: nnx.filter_state(tree, nnx.Param)  # noqa: E731
+    base = load_params(path, setup.config.model, frozen(abstract_state(plain).model_state),
+                       frozen(plain.state_shardings.model_state), dtype=setup.policy.compute)
+    kept = [(k, v) for k, v in nnx.to_flat_state(state.model_state)
+            if isinstance(v, (lora.DropoutKey, lora.DropoutSalt))]
+    base = nnx.from_flat_state([*nnx.to_flat_state(base), *kept])
+    if plain is setup:
+        return dataclasses.replace(state, model_state=base)
+
+    def quantize(params: nnx.State, base: nnx.State) -> dict[tuple, jax.Array]:
+        module = lora.quantize_bases(nnx.merge(plain.graphdef, params, base), cfg)
+        return {k: v.get_value() for k, v in nnx.to_flat_state(
+            nnx.state(module, nnx.Not(nnx.LoRAParam)))}
+
+    fresh = nnx.to_flat_state(state.model_state)
+    shardings = {k: v.get_value() for k, v in nnx.to_flat_state(
+        setup.state_shardings.model_state)}
+    values = jax.jit(quantize, out_shardings=shardings, donate_argnums=1)(state.params, base)
+    model_state = nnx.from_flat_state([(k, v.replace(value=values[k])) for k, v in fresh])
+    return dataclasses.replace(state, model_state=model_state)
 
 
 def from_pretrained(path: str | os.PathLike, *, mesh: Mesh | None = None,
@@ -413,6 +437,10 @@ def export_pretrained(directory: str | os.PathLike, out: str | os.PathLike,
         keys = {path.split(".", 1)[1]: key
                 for path, (key, _) in checkpointer.saved_arrays(step).items()
                 if path.startswith(("params.", "model_state."))}  # LoRA: the base is state
+        if saved_lora(checkpointer.saved_config(step)).base_quant != "none":
+            raise ConfigError(f"{directory}: a QLoRA checkpoint (lora.base_quant); its base is "
+                              "quantized and this export merges on the host; merge in Python "
+                              "(models.lora.merge_adapters, then hf.save_pretrained)")
         reader = ocp.PyTreeCheckpointer()
         read = lambda name: read_array(reader, checkpointer, step, keys[name])
         get = _merging(read, keys, saved_lora(checkpointer.saved_config(step)))

@@ -24,8 +24,10 @@ from shardlib.models.layers import (
     LayerNorm,
     RMSNorm,
     RopeScaling,
+    fusable,
     normal,
     param,
+    project,
     remat,
     remat_sublayer,
     run_unit,
@@ -169,7 +171,8 @@ class GPT(nnx.Module):
         x_btd = hooks.enter_region(self.final_norm(x_btd))  # f: the head is vocab-parallel
         if self.cfg.tie_embeddings:
             return self.embed.attend(x_btd)
-        logits_btv = jnp.einsum("btd,dv->btv", x_btd, self.w_head_dv[...])
+        logits_btv = (jnp.einsum("btd,dv->btv", x_btd, self.w_head_dv[...])
+                      if fusable(self.w_head_dv) else project("btd,dv->btv", x_btd, self.w_head_dv))
         return constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"))
 
 

@@ -180,7 +180,7 @@ class Attention(nnx.Module):
         local = partial(gathered_kv_attention, segment_ids=docs.segment_ids)
         out_bthk = hooks.attention(q_bthk, k_bthk, v_bthk, local=local,
                                    segment_ids=docs.segment_ids)
-        out_btd = linear("bthk,hkd->btd", constrain(out_bthk, heads), self.w_o_hkd[...])
+        out_btd = project("bthk,hkd->btd", constrain(out_bthk, heads), self.w_o_hkd)
         out_btd = hooks.exit_region(out_btd)  # Megatron's g; the bias is added once, after
         if self.use_bias:
             out_btd = out_btd + self.b_o_d[...]
@@ -191,7 +191,10 @@ class Attention(nnx.Module):
         when ``qk_norm`` (before RoPE, which the caller applies)."""
         # One einsum for q, k, v: under TP their input gradients are summed before the one
         # all-reduce (Megatron's f), not all-reduced one by one.
-        if self.w_k_dhk.shape == self.w_q_dhk.shape:
+        if not fusable(self.w_q_dhk, self.w_k_dhk, self.w_v_dhk):  # LoRA dropout: one by one
+            q_bthk, k_bthk, v_bthk = (project("btd,dhk->bthk", x_btd, w)
+                                      for w in (self.w_q_dhk, self.w_k_dhk, self.w_v_dhk))
+        elif self.w_k_dhk.shape == self.w_q_dhk.shape:
             w_cdhk = hooks.gathered(
                 jnp.stack([self.w_q_dhk[...], self.w_k_dhk[...], self.w_v_dhk[...]]))
             q_bthk, k_bthk, v_bthk = linear("btd,cdhk->cbthk", x_btd, w_cdhk)  # 3 x (B,T,H,K)
@@ -213,6 +216,29 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     rms = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
     return (x32 * rms * scale).astype(x.dtype)
+
+
+class OwnProjection(nnx.Module):
+    """A weight-like module that may project an activation itself (``project``) rather
+    than be read whole (``w[...]``): a LoRA adapter with dropout (``models.lora``)."""
+
+    projects: bool = False  # whether ``project`` must be used now
+
+    def project(self, spec: str, x: jax.Array) -> jax.Array:
+        return linear(spec, x, self[...])
+
+
+def project(spec: str, x: jax.Array, w: nnx.Variable | OwnProjection) -> jax.Array:
+    """``linear(spec, x, w[...])``, or ``w``'s own projection when it has one."""
+    if isinstance(w, OwnProjection):
+        return w.project(spec, x)
+    return linear(spec, x, w[...])
+
+
+def fusable(*ws: nnx.Variable | OwnProjection) -> bool:
+    """Whether the weights may be read whole and stacked for one einsum (none projects
+    itself now)."""
+    return not any(isinstance(w, OwnProjection) and w.projects for w in ws)
 
 
 def linear(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -303,10 +329,10 @@ class MLP(nnx.Module):
                 gate_btf, h_btf = gate_btf + self.b_gate_f[...], h_btf + self.b_in_f[...]
             h_btf = act(gate_btf) * h_btf
         else:
-            h_btf = linear("btd,df->btf", x_btd, self.w_in_df[...])
+            h_btf = project("btd,df->btf", x_btd, self.w_in_df)
             h_btf = act(h_btf + self.b_in_f[...] if self.use_bias else h_btf)
         h_btf = constrain(h_btf, ("act_batch", "act_seq", "act_mlp"))
-        out_btd = hooks.exit_region(linear("btf,fd->btd", h_btf, self.w_out_fd[...]))  # g
+        out_btd = hooks.exit_region(project("btf,fd->btd", h_btf, self.w_out_fd))  # g
         if self.use_bias:
             out_btd = out_btd + self.b_out_d[...]
         return constrain(out_btd, ("act_batch", "act_res_seq", "act_embed"))
@@ -316,9 +342,9 @@ class MLP(nnx.Module):
         weights (under TP, one input-gradient all-reduce), or two when the layer orders
         its backward (``remat``), so each is saved as a stack of its own that the TPU
         compiler's backward reads in place rather than copying out of a joint layout."""
-        if ordered_backward():
-            return (linear("btd,df->btf", x_btd, self.w_gate_df[...]),
-                    linear("btd,df->btf", x_btd, self.w_in_df[...]))
+        if ordered_backward() or not fusable(self.w_gate_df, self.w_in_df):
+            return (project("btd,df->btf", x_btd, self.w_gate_df),
+                    project("btd,df->btf", x_btd, self.w_in_df))
         w_cdf = hooks.gathered(jnp.stack([self.w_gate_df[...], self.w_in_df[...]]))
         gate_btf, h_btf = linear("btd,cdf->cbtf", x_btd, w_cdf)
         return gate_btf, h_btf

@@ -11,12 +11,22 @@ einsum of the model, scanned layers and decoding included, sees it without chang
 takes the logical names of W's in dims and B those of its out dims, so the rules split
 them as they split W (FSDP over ``embed``, tensor parallelism over ``heads`` / ``mlp``).
 Leading ``layers`` / ``expert`` dims (stacked layers) are kept on A and B.
+
+Dropout (peft's ``lora_dropout``) acts on the adapter's input x, not on its weights, so a
+weight with dropout in training is not merged: the layer projects through it
+(``layers.project``), which computes x W + s drop(x) A B as peft does. The key is one per
+loss call, drawn from a key the model keeps in its non-trained state (``DropoutKey``,
+advanced each call, so each step and microbatch draws afresh) and folded with each
+adapter's own salt (one per stacked layer), so every layer draws its own mask inside the
+layer scan; eval mode (``module.eval()``) is deterministic.
 """
 
 from __future__ import annotations
 
+import contextvars
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -29,9 +39,26 @@ from shardlib.annotations import declared_dims
 from shardlib.config import LoRAConfig
 from shardlib.contract import Model
 from shardlib.errors import ConfigError
+from shardlib.models import quant
+from shardlib.models.layers import OwnProjection, linear
 
 STACK_DIMS = ("layers", "expert")  # leading dims an adapter keeps (one adapter per layer)
 BASE = "base"  # the attribute an ``Adapted`` keeps the frozen weight under
+KEY = "lora_dropout_key"  # the attribute the adapted model keeps its dropout key under
+
+# the dropout key of the loss now being traced (``dropout_key``); None: no dropout
+_KEY: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
+    "shardlib_lora_dropout_key", default=None)
+
+
+class DropoutKey(nnx.Variable):
+    """The adapted model's dropout key (raw ``uint32`` key data): non-trained state,
+    split on every training loss call (``with_lora``)."""
+
+
+class DropoutSalt(nnx.Variable):
+    """An adapter's ``uint32`` salt, one per stacked layer: folded into the loss's key,
+    it gives every adapter and layer its own dropout mask."""
 
 
 def scale(cfg: LoRAConfig) -> float:
@@ -39,18 +66,25 @@ def scale(cfg: LoRAConfig) -> float:
     return cfg.alpha / (cfg.rank ** 0.5 if cfg.rslora else cfg.rank)
 
 
-class Adapted(nnx.Module):
-    """A frozen weight and its low-rank adapter; reads (``[...]``) as W + s A B."""
+class Adapted(OwnProjection):
+    """A frozen weight and its low-rank adapter; reads (``[...]``) as W + s A B, and
+    projects (``project``) as x W + s drop(x) A B when its dropout is on."""
 
     def __init__(self, base: nnx.Param, *, rank: int, scale: float, rngs: nnx.Rngs,
-                 dtype: Any = None):
+                 dtype: Any = None, dropout: float = 0.0, cfg: LoRAConfig | None = None):
         shape = tuple(base.shape)
         dims = declared_dims(base) or (None,) * len(shape)
         lead = next((i for i, d in enumerate(dims) if d not in STACK_DIMS), len(shape))
         ins = len(shape) - lead - 1 if dims[-1] == "embed" and len(shape) - lead > 2 else 1
         cut = lead + ins
-        value = base.get_value() if dtype is None else base.get_value().astype(dtype)
-        self.base = base.replace(value=value)
+        if cfg is not None and cfg.base_quant != "none":  # QLoRA: no full-precision copy
+            self.base = quant.Quantized(base.get_value(), dims, fmt=cfg.base_quant,
+                                        block=cfg.quant_block, double_quant=cfg.double_quant,
+                                        lead=lead, dtype=dtype)
+        else:
+            value = base.get_value() if dtype is None else base.get_value().astype(dtype)
+            self.base = base.replace(value=value)
+        self.logical = dims
         init_a = jax.nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform",
                                                       in_axis=tuple(range(lead, cut)),
                                                       batch_axis=tuple(range(lead)))
@@ -59,6 +93,10 @@ class Adapted(nnx.Module):
         self.lora_b = nnx.LoRAParam(jnp.zeros((*shape[:lead], rank, *shape[cut:]), jnp.float32),
                                     logical=(*dims[:lead], None, *dims[cut:]))
         self.scale, self.ins = scale, ins
+        self.dropout, self.deterministic = dropout, False  # ``module.eval()`` sets the latter
+        if dropout:
+            self.salt = DropoutSalt(jax.random.bits(rngs.params(), shape[:lead], jnp.uint32),
+                                    logical=dims[:lead])
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -84,8 +122,39 @@ class Adapted(nnx.Module):
 
     def merged(self) -> jax.Array:
         """W + s A B in W's dtype."""
+        if self.projects:
+            raise ConfigError(
+                f"lora.dropout={self.dropout}: a weight with dropout was read whole in training "
+                "(not projected through layers.project, e.g. a fused, expert or nnx.Linear "
+                "weight); drop it from lora.targets, or set lora.dropout=0")
         w = self.base[...]
         return w + self.delta().astype(w.dtype)
+
+    @property
+    def projects(self) -> bool:
+        """Whether dropout is on now: a rate, training mode, and a loss's key."""
+        return bool(self.dropout) and not self.deterministic and _KEY.get() is not None
+
+    def project(self, spec: str, x: jax.Array) -> jax.Array:
+        """``einsum(spec, x, W + s A B)`` (``spec`` reads ``x,W->out``), but with x dropped
+        out on the adapter's path alone (peft): x W + s drop(x) A B."""
+        if not self.projects:
+            return linear(spec, x, self[...])
+        operands, out = spec.split("->")
+        x_dims, w_dims = operands.split(",")
+        a, b = self.lora_a[...], self.lora_b[...]
+        if a.ndim != self.ins + 1 or len(w_dims) != len(self.shape):
+            raise ConfigError(f"lora.dropout={self.dropout}: {spec!r} reads a stacked weight "
+                              "whole; dropout needs one layer's weight (a layer scan)")
+        ins, outs = w_dims[:self.ins], w_dims[self.ins:]
+        rest = "".join(c for c in x_dims if c not in ins)
+        key = jax.random.fold_in(_KEY.get(), self.salt[...])
+        keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape,
+                                    out_sharding=jax.typeof(x).sharding)
+        dropped = jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros_like(x))
+        h = jnp.einsum(f"{x_dims},{ins}z->{rest}z", dropped, a.astype(x.dtype))
+        y = jnp.einsum(f"{rest}z,z{outs}->{out}", h, b.astype(x.dtype))
+        return linear(spec, x, self.base[...]) + (y * self.scale).astype(x.dtype)
 
 
 # --- finding and wrapping the targets ------------------------------------------------------
@@ -134,12 +203,33 @@ def add_adapters(module: nnx.Module, cfg: LoRAConfig, rngs: nnx.Rngs,
         parent = module
         for k in key[:-1]:
             parent = parent[k] if isinstance(k, int) else getattr(parent, k)
-        adapted = Adapted(var, rank=cfg.rank, scale=scale(cfg), rngs=rngs, dtype=dtype)
+        adapted = Adapted(var, rank=cfg.rank, scale=scale(cfg), rngs=rngs, dtype=dtype,
+                          dropout=cfg.dropout, cfg=cfg)
         if isinstance(key[-1], int):
             parent[key[-1]] = adapted
         else:
             setattr(parent, key[-1], adapted)
+    if cfg.dropout:
+        setattr(module, KEY, DropoutKey(jax.random.key_data(rngs.params()), logical=(None,)))
     return module
+
+
+def quantize_bases(module: nnx.Module, cfg: LoRAConfig) -> nnx.Module:
+    """``module`` with every adapter's full-precision base replaced by its quantization in
+    ``cfg.base_quant`` (QLoRA; a checkpoint's weights quantized on the way in)."""
+    for _, node in adapters(module):
+        if not isinstance(node.base, quant.Quantized):
+            lead = a_lead(node)
+            node.base = quant.Quantized(node.base.get_value(), node.logical,
+                                        fmt=cfg.base_quant, block=cfg.quant_block,
+                                        double_quant=cfg.double_quant, lead=lead,
+                                        dtype=node.base.dtype)
+    return module
+
+
+def a_lead(node: Adapted) -> int:
+    """The stacking dims an adapter keeps (A's dims beyond its in dims and rank)."""
+    return node.lora_a.ndim - 1 - node.ins
 
 
 def adapters(module: nnx.Module) -> Iterator[tuple[str, Adapted]]:
@@ -157,7 +247,9 @@ def merge_adapters(module: nnx.Module) -> nnx.Module:
         parent = module
         for k in parents:
             parent = parent[int(k)] if k.isdigit() else getattr(parent, k)
-        merged = node.base.replace(value=node.merged())
+        merged = (nnx.Param(node.merged(), logical=node.logical)  # QLoRA: dequantized
+                  if isinstance(node.base, quant.Quantized)
+                  else node.base.replace(value=node.merged()))
         if last.isdigit():
             parent[int(last)] = merged
         else:
@@ -196,11 +288,40 @@ def check(cfg: LoRAConfig) -> None:
     """ConfigErrors for values the adapters cannot take (ranges: ``config_check``)."""
     if cfg.rank < 1:
         raise ConfigError(f"lora.rank={cfg.rank}: adapters need rank >= 1 (0 turns LoRA off)")
-    if cfg.dropout:
-        raise ConfigError(
-            f"lora.dropout={cfg.dropout}: not supported; shardlib merges the adapter into its "
-            "weight where the weight is read (W + s A B), which has no per-input dropout; set "
-            "lora.dropout=0 (peft's default)")
+    if cfg.base_quant not in ("none", *quant.FORMATS):
+        raise ConfigError(f"lora.base_quant={cfg.base_quant!r}: not a format; choose one of "
+                          f"none, {', '.join(quant.FORMATS)} (nf4: QLoRA's 4-bit NormalFloat)")
+    if cfg.quant_block < 1:
+        raise ConfigError(f"lora.quant_block={cfg.quant_block}: must be >= 1 (64 is QLoRA's)")
+    if not 0 <= cfg.dropout < 1:
+        raise ConfigError(f"lora.dropout={cfg.dropout}: must be in [0, 1) (peft's lora_dropout;"
+                          " 0.05 or 0.1 is usual)")
+
+
+@contextmanager
+def dropout_key(key: jax.Array | None):
+    """Adapters with dropout draw their masks from ``key`` (a typed key) in this block."""
+    token = _KEY.set(key)
+    try:
+        yield
+    finally:
+        _KEY.reset(token)
+
+
+def with_dropout(loss: Callable) -> Callable:
+    """``loss(module, batch)`` under a fresh dropout key split from the module's own
+    (``DropoutKey``), which it advances; as is for a module without one."""
+
+    def run(module: nnx.Module, batch: Any) -> Any:
+        var = getattr(module, KEY, None)
+        if not isinstance(var, DropoutKey):
+            return loss(module, batch)
+        use, keep = jax.random.split(jax.random.wrap_key_data(var[...]))
+        var[...] = jax.random.key_data(keep)
+        with dropout_key(use):
+            return loss(module, batch)
+
+    return run
 
 
 def with_lora(model: Model, cfg: LoRAConfig, dtype: Any = None) -> Model:
@@ -211,4 +332,5 @@ def with_lora(model: Model, cfg: LoRAConfig, dtype: Any = None) -> Model:
     def build(rngs: nnx.Rngs) -> nnx.Module:
         return add_adapters(model.build(rngs), cfg, rngs, dtype)
 
-    return replace(model, build=build, trainable=nnx.LoRAParam)
+    loss = with_dropout(model.loss) if cfg.dropout else model.loss
+    return replace(model, build=build, loss=loss, trainable=nnx.LoRAParam)
