@@ -147,7 +147,8 @@ def measure_all(config, candidates, devices, budget, args, progress: Progress) -
 def profile_line(m: dict) -> str:
     return (f"cpu profile {m['peak_flops'] / 1e9:.1f} GFLOP/s per device, memory "
             f"{m['memory_bandwidth'] / 1e9:.2f} GB/s (fresh writes +"
-            f"{m.get('fresh_byte_s', 0) * 1e9:.2f} ns/byte), links {m['bandwidth'] / 1e9:.2f} GB/s, "
+            f"{m.get('fresh_byte_s', 0) * 1e9:.2f} ns/byte), "
+            f"links {m['bandwidth'] / 1e9:.2f} GB/s, "
             f"{m['latency'] * 1e6:.1f} us/hop (load average {m.get('load_average', 0):.1f} "
             f"on {m.get('cores', '?')} cores)")
 
