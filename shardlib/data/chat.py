@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from shardlib.data.jsonl import read_records
 from shardlib.errors import ConfigError
 
 Message = dict[str, Any]
@@ -59,19 +60,12 @@ def wants_chat(data_format: str, path: str) -> bool:
 def read_conversations(path: str) -> list[Conversation]:
     """Every record's ``messages`` (blank lines skipped); a bad line raises a ConfigError
     naming the file, the line and what is wrong with it."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise ConfigError(f"--data {path}: no such file; pass a .jsonl of "
-                          '{"messages": [{"role": ..., "content": ...}, ...]} lines')
-    conversations = []
-    with file.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if line.strip():
-                conversations.append(parse_line(line, f"{path}:{number}"))
-    if not conversations:
-        raise ConfigError(f"--data {path}: holds no conversation; add lines of "
-                          '{"messages": [...]}')
-    return conversations
+    return read_records(
+        path, parse_line,
+        missing=f"--data {path}: no such file; pass a .jsonl of "
+                '{"messages": [{"role": ..., "content": ...}, ...]} lines',
+        empty=f"--data {path}: holds no conversation; add lines of "
+              '{"messages": [...]}')
 
 
 def parse_line(line: str, where: str) -> Conversation:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shardlib.data.jsonl import read_records
 from shardlib.errors import ConfigError
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -37,17 +38,11 @@ def read_pairs(path: str | Path) -> list[Pair]:
     """Every line of a JSONL file as a ``Pair``; a ConfigError naming file:line for a line
     that is not a JSON object with string ``prompt``, ``chosen`` and ``rejected``."""
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"train.data={path}: no such file; the preference objectives read "
-                          "a JSONL of {\"prompt\", \"chosen\", \"rejected\"} objects")
-    pairs = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                pairs.append(_pair(line, f"{path}:{number}"))
-    if not pairs:
-        raise ConfigError(f"train.data={path}: no pairs (the file is empty)")
-    return pairs
+    return read_records(
+        path, _pair,
+        missing=f"train.data={path}: no such file; the preference objectives read "
+                "a JSONL of {\"prompt\", \"chosen\", \"rejected\"} objects",
+        empty=f"train.data={path}: no pairs (the file is empty)")
 
 
 def _pair(line: str, where: str) -> Pair:
