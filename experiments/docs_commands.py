@@ -47,7 +47,7 @@ class DocCommand:
     page: str
     argv: tuple[str, ...]  # after ``shardlib``
     text: str  # as the page writes it (continuations joined)
-    after: str = ""  # why an earlier line of its block, whose output it reads, is not run
+    after: str = ""  # why an earlier line of its page, whose output it reads, is not run
     setup: tuple[str, ...] = ()  # the page's ``mkdir`` lines before it (run first, in bash)
 
     @property
@@ -110,9 +110,11 @@ def doc_commands(pages: list[Path] = PAGES) -> list[DocCommand]:
                 continue
             after = next((why for path, why in missing.items() if path in read(argv)), "")
             command = DocCommand(page.name, argv, line, after, setup)
-            for path in written(argv):  # a runnable command writes it again
-                missing.pop(path, None) if not command.why_not else \
+            for path in written(argv):
+                if command.why_not:
                     missing.setdefault(path, after or command.why_not)
+                else:  # a runnable command writes it again
+                    missing.pop(path, None)
             out.append(command)
     return out
 
