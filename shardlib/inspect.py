@@ -418,6 +418,10 @@ def flops_lines(ins: Inspection) -> list[str]:
     xla = "n/a" if f.xla_flops_per_device is None else f"{f.xla_flops_per_device:,.0f}"
     lines = [f"FLOPs per device per step: XLA {xla}, model 6 Psi + 12 L T d "
              f"{f.model_flops_per_device:,.0f} (XLA / model {_fmt_ratio(f.xla_over_model)})"]
+    if f.causal_model_flops_per_token:
+        lines.append(f"  per token: PaLM 6 Psi + 12 L T d {f.model_flops_per_token:,} (mfu); "
+                     f"MaxText's causal 6 Psi_matmul + 6 L T d "
+                     f"{f.causal_model_flops_per_token:,} (mfu_causal)")
     if f.scan_layers:
         lines.append("  (scan_layers: XLA counts the scanned layer body once, not L times)")
     return lines
