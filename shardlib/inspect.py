@@ -133,7 +133,7 @@ def analyze(config: Config, devices: list[jax.Device] | None = None, *,
                        act_bytes=activation_bytes(setup))
     memory = memory_report(compiled, state, batch, state_bytes_per_device(config, setup.sizes),
                            platform_of(setup.mesh))
-    flops = flops_report(config, compiled, setup.mesh.devices.size)
+    flops = flops_report(setup.config, compiled, setup.mesh.devices.size)  # scan resolved
     facts = kernel_facts(text)
     return Inspection(setup, collectives, terms, memory, peak_formula(setup), flops, compile_s,
                       facts, compiled_attention(attention_kernel(setup), facts), target)
@@ -323,6 +323,7 @@ def to_json(ins: Inspection) -> dict[str, Any]:
         "params": param_rows(setup),
         "attention_kernel": ins.attention, "kernels": ins.kernels.to_dict(),
         "target": None if ins.target is None else target_dict(ins.target, fits=ins.fits),
+        "notes": list(setup.notes),  # what each auto option chose, and why
     }
 
 
@@ -457,6 +458,8 @@ def render(ins: Inspection, console: Console | None = None) -> None:
         console.print(f"model {setup.model.name}: {num_params(setup):,} parameters, FSDP units "
                       f"{setup.model.units or 'none'}; batch {tc.batch_size}; compiled in "
                       f"{ins.compile_s:.1f} s")
+    for note in setup.notes:  # what each auto option chose (model.scan_layers, ...)
+        console.print(note)
     console.print(sharding_table(param_table(setup)))
     console.print(collectives_table(ins))
     console.print(theory_table(ins))
