@@ -65,15 +65,19 @@ def test_the_cli_words_and_a_bad_value():
 
 @pytest.mark.parametrize("setting, scan, noted", [("auto", True, True), (False, False, False),
                                                   (True, True, False)])
-def test_build_setup_resolves_and_says_why(setting, scan, noted):
-    """On CPU ``auto`` resolves to scanned (every test keeps its step) and the start-up
-    notes say so; a setting of true or false adds no note."""
+def test_build_setup_resolves_and_says_why(monkeypatch, setting, scan, noted):
+    """On CPU ``auto`` resolves to scanned (every test keeps its step); ``inspect`` says so,
+    the train start-up only off CPU (its stderr stays as it was); true / false: no note."""
+    from shardlib.run import loop
+
     model = dataclasses.replace(get_preset("tiny"), scan_layers=setting)
     config = Config(mesh=MeshConfig(data=2), model=model,
                     train=TrainConfig(batch_size=2, seq_len=16))
     setup = build_setup(config, jax.devices()[:2])
     assert setup.config.model.scan_layers is scan
-    notes = [n for n in setup.notes if n.startswith("model.scan_layers")]
-    assert notes == (["model.scan_layers=auto -> true (layers scanned): cpu: the scan "
-                      "compiles in a time flat in depth"] if noted else [])
+    assert setup.layers_note == ("model.scan_layers=auto -> true (layers scanned): cpu: the "
+                                 "scan compiles in a time flat in depth" if noted else "")
+    assert loop.layers_note(setup) == ()
+    monkeypatch.setattr(loop, "platform_of", lambda mesh: "gpu")
+    assert loop.layers_note(setup) == ((setup.layers_note,) if noted else ())
     assert isinstance(ModelConfig().scan_layers, str)  # the default stays auto, unresolved

@@ -140,8 +140,6 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None, *,
     sizes = dict(mesh.shape)
     model.run_check(config, mesh)  # the model's own (the GPT's: its shape, its MoE options)
     config, notes = resolve_context_parallel(config, sizes, model)
-    if scan.reason != layer_scan.USER and model.has("planner"):  # auto: say what and why
-        notes = (scan.note(), *notes)
     check_capabilities(config, sizes, model)
     if model.has("planner"):
         check_builtin(config, sizes)
@@ -173,7 +171,9 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None, *,
                               param_specs(abstract_rest, rules, sizes), mesh))
     return TrainSetup(config, mesh, rules, graphdef, abstract_params, tx, state_sh,
                       batch_sharding(config, mesh, rules, model),
-                      zero_sh if config.mesh.zero == 2 else param_sh, policy, model, notes)
+                      zero_sh if config.mesh.zero == 2 else param_sh, policy, model, notes,
+                      scan.note() if scan.reason != layer_scan.USER and model.has("planner")
+                      else "")
 
 
 def resolve_context_parallel(config: Config, sizes: dict[str, int], model: Model
