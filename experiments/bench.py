@@ -103,6 +103,7 @@ def measure_strategy(args, name: str, devices, peak_timer, published_peak) -> di
            "mesh": ",".join(f"{k}={v}" for k, v in setup.mesh.shape.items() if v > 1) or "1",
            "params": count_params(config.model), "compile_s": lib.compile_s,
            "attention": attention_kernel(setup),
+           "scan_layers": setup.config.model.scan_layers,  # auto resolved for the platform
            "memory_bytes_per_device": compiled_peak_bytes(lib.compiled),
            "first_loss": float(lib.advance())}
     if hand is not None:
@@ -165,7 +166,10 @@ def compile_vs_depth(args, devices) -> dict:
     shallow, deep = (int(x) for x in args.depth.split(","))
     seconds = {shallow: float("inf"), deep: float("inf")}
     for layers in (shallow, deep) * args.depth_repeats:  # best of n, interleaved: less noise
-        setup, batch = make_setup(bench_config(args, "data=-1", layers=layers), devices[:1])
+        config = bench_config(args, "data=-1", layers=layers)
+        config = dataclasses.replace(config, model=dataclasses.replace(
+            config.model, scan_layers=True))  # what it measures, on a GPU too (auto unrolls)
+        setup, batch = make_setup(config, devices[:1])
         start = time.perf_counter()
         make_train_step(setup).lower(abstract_state(setup), batch).compile()
         seconds[layers] = min(seconds[layers], time.perf_counter() - start)

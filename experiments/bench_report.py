@@ -19,9 +19,9 @@ CSV_FIELDS = ("devices", "strategy", "mesh", "platform", "device_kind", "model",
               "mfu", "memory_bytes_per_device", "hand_step_time_s", "hand_mfu",
               "overhead_ratio", "first_loss", "hand_first_loss",
               # added later, so older CSVs lack them: MaxText's causal convention beside
-              # PaLM's ``mfu``, and each step's attention kernel
+              # PaLM's ``mfu``, each step's attention kernel, the layers scanned or not
               "causal_model_flops_per_step", "mfu_causal", "hand_mfu_causal", "attention",
-              "hand_attention")
+              "hand_attention", "scan_layers")
 
 
 def machine_info() -> dict[str, Any]:

@@ -248,6 +248,7 @@ def test_bench_rows_measure_both_steps_of_the_same_model(bench_results):
     assert fsdp["first_loss"] == pytest.approx(single["hand_first_loss"], rel=1e-5)
     assert "hand_mfu" in single and "hand_mfu" not in fsdp
     assert single["attention"] == single["hand_attention"] == "xla"  # the same kernel on CPU
+    assert single["scan_layers"] is True  # auto scans on CPU
     for row in (single, fsdp):
         assert 0 < row["mfu_causal"] < row["mfu"]
         assert row["mfu_causal"] / row["mfu"] == pytest.approx(
