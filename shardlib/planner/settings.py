@@ -55,7 +55,7 @@ def scan_setting(plan: Plan, best: Scored) -> Setting:
     why = choice.reason if model.scan_layers == layer_scan.AUTO else \
         f"{choice.reason} (auto would choose by platform, depth and mesh)"
     return Setting("model.scan_layers", str(choice.scan).lower(),
-                   why + "; not in the predicted step")
+                   why + "; not in the estimated step or memory")
 
 
 def remat_setting(plan: Plan, best: Scored) -> Setting:
