@@ -9,11 +9,14 @@ How it measures (so the numbers can be trusted on a noisy machine):
 - each device count runs in its own process (``--worker``), since JAX fixes the CPU
   device count at start-up; on CPU the 1-device run then has the host to itself;
 - step time is the median of ``--rounds`` rounds after one warm-up step;
-- MFU = model FLOPs (``6 Psi + 12 L T d`` per token) / step time / peak. On CPU the peak
-  is an (n, n) matmul timed in every round, beside the steps, so load from other jobs
-  slows both alike; on GPU/TPU it is the chip's published dense bf16 peak;
+- MFU = model FLOPs / step time / peak, in two conventions (``analysis.flops``): ``mfu``
+  PaLM's ``6 Psi + 12 L T d`` per token, ``mfu_causal`` MaxText's ``6 Psi_matmul + 6 L T
+  d``. On CPU the peak is an (n, n) matmul timed in every round, beside the steps, so load
+  from other jobs slows both alike; on GPU/TPU it is the chip's published dense bf16 peak;
 - the hand-written step (``bench_overhead.py``) runs interleaved with shardlib's on the
-  plain data-parallel mesh: their ratio is shardlib's overhead.
+  plain data-parallel mesh, with the attention kernel shardlib's step resolved (cuDNN on
+  a GPU; ``attention`` and ``hand_attention`` name them): their ratio is shardlib's
+  overhead.
 Writes ``bench.csv``, ``bench.md`` and ``bench.png`` to ``--out`` (experiments/results).
 """
 
@@ -79,10 +82,11 @@ def matmul_timer(device, dtype, n: int):
 def measure_strategy(args, name: str, devices, peak_timer, published_peak) -> dict | None:
     """Compile and time one strategy (with the hand-written step on the plain DP mesh)."""
     import numpy as np
-    from bench_overhead import hand_run, lib_run, make_setup, time_steps
+    from bench_overhead import hand_kernel, hand_run, lib_run, make_setup, time_steps
 
-    from shardlib.analysis.flops import model_flops_per_token
+    from shardlib.analysis.flops import causal_model_flops_per_token, model_flops_per_token
     from shardlib.errors import ShardlibError
+    from shardlib.inspect import attention_kernel
     from shardlib.models import count_params
     from shardlib.observe import compiled_peak_bytes
 
@@ -98,10 +102,13 @@ def measure_strategy(args, name: str, devices, peak_timer, published_peak) -> di
     row = {"devices": len(devices), "strategy": name if len(devices) > 1 else "single",
            "mesh": ",".join(f"{k}={v}" for k, v in setup.mesh.shape.items() if v > 1) or "1",
            "params": count_params(config.model), "compile_s": lib.compile_s,
+           "attention": attention_kernel(setup),
+           "scan_layers": setup.config.model.scan_layers,  # auto resolved for the platform
            "memory_bytes_per_device": compiled_peak_bytes(lib.compiled),
            "first_loss": float(lib.advance())}
     if hand is not None:
         row["hand_first_loss"] = float(hand.advance())
+        row["hand_attention"] = hand_kernel(setup)
     lib.sync()
     lib_s, hand_s, peaks = [], [], []
     for _ in range(args.rounds):
@@ -111,20 +118,29 @@ def measure_strategy(args, name: str, devices, peak_timer, published_peak) -> di
             hand_s.append(time_steps(hand, args.steps_per_round))
     tokens = config.train.batch_size * config.train.seq_len
     flops = model_flops_per_token(config) * tokens
+    causal = causal_model_flops_per_token(config) * tokens
     row.update(step_time_s=float(np.median(lib_s)), step_time_min_s=min(lib_s),
                tokens_per_sec=tokens / float(np.median(lib_s)),
                model_flops_per_step=flops, peak_flops=float(np.median(peaks)),
-               mfu=float(np.median([flops / t / p for t, p in zip(lib_s, peaks, strict=True)])))
+               mfu=median_mfu(flops, lib_s, peaks), mfu_causal=median_mfu(causal, lib_s, peaks),
+               causal_model_flops_per_step=causal)
     if hand is not None:
         row.update(hand_step_time_s=float(np.median(hand_s)),
-                   hand_mfu=float(np.median([flops / t / p for t, p in
-                                             zip(hand_s, peaks, strict=True)])),
+                   hand_mfu=median_mfu(flops, hand_s, peaks),
+                   hand_mfu_causal=median_mfu(causal, hand_s, peaks),
                    overhead_ratio=float(np.median(np.array(lib_s) / np.array(hand_s))))
         if args.profile:
             row.update(profile_breakdown(lib, hand, args.trace_dir))
     print("  " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                            for k, v in row.items() if not k.startswith("profile")), flush=True)
     return row
+
+
+def median_mfu(flops: float, seconds: list[float], peaks: list[float]) -> float:
+    """The median over rounds of ``flops`` per step / step time / that round's peak."""
+    import numpy as np
+
+    return float(np.median([flops / t / p for t, p in zip(seconds, peaks, strict=True)]))
 
 
 def profile_breakdown(lib, hand, keep_dir: Path | None = None) -> dict:
@@ -150,7 +166,10 @@ def compile_vs_depth(args, devices) -> dict:
     shallow, deep = (int(x) for x in args.depth.split(","))
     seconds = {shallow: float("inf"), deep: float("inf")}
     for layers in (shallow, deep) * args.depth_repeats:  # best of n, interleaved: less noise
-        setup, batch = make_setup(bench_config(args, "data=-1", layers=layers), devices[:1])
+        config = bench_config(args, "data=-1", layers=layers)
+        config = dataclasses.replace(config, model=dataclasses.replace(
+            config.model, scan_layers=True))  # what it measures, on a GPU too (auto unrolls)
+        setup, batch = make_setup(config, devices[:1])
         start = time.perf_counter()
         make_train_step(setup).lower(abstract_state(setup), batch).compile()
         seconds[layers] = min(seconds[layers], time.perf_counter() - start)

@@ -2,9 +2,11 @@
 
 Both steps use the same parameters, optimizer (optax AdamW + clipping), batch and
 shardings; the hand-written one is a functional GPT on a dict of arrays, written the
-way a user writes it without a library (textbook attention, nothing from shardlib's
-layers). Steps are timed interleaved (A, B, A, B, ...) in one process so machine noise
-hits both alike; the printed figure is the median step-time ratio shardlib /
+way a user writes it without a library (``jax.nn.dot_product_attention``, nothing from
+shardlib's layers). Its attention kernel is the one shardlib's step resolved
+(``hand_kernel``: cuDNN on a GPU, XLA's on CPU), so the ratio measures the library, not
+the kernel choice. Steps are timed interleaved (A, B, A, B, ...) in one process so
+machine noise hits both alike; the printed figure is the median step-time ratio shardlib /
 hand-written (goal <= 1.05). ``experiments/bench.py`` reuses these pieces.
 
     python experiments/bench_overhead.py [--model small] [--mesh data=8] [--rounds 10]
@@ -21,9 +23,24 @@ from typing import Any
 
 from shardlib.cli import setup_devices
 
+HAND_KERNELS = ("xla", "cudnn")  # the implementations jax.nn.dot_product_attention offers
 
-def hand_written_loss(params: dict, tokens_bt, targets_bt, cfg) -> Any:
-    """A plain-JAX GPT forward (same math as shardlib.models.GPT) and its loss."""
+
+def hand_kernel(setup) -> str:
+    """The attention kernel of the hand-written step: the one shardlib's step resolved
+    (``analysis.peak.resolved_kernel``) where ``jax.nn.dot_product_attention`` has it,
+    else ``xla`` (shardlib's chunked and splash kernels have no ``jax.nn`` twin)."""
+    from shardlib.analysis.peak import resolved_kernel
+    from shardlib.mesh import capability_of, platform_of
+
+    chosen = resolved_kernel(setup.config, platform=platform_of(setup.mesh),
+                             dtype=setup.policy.compute, capability=capability_of(setup.mesh))
+    return chosen if chosen in HAND_KERNELS else "xla"
+
+
+def hand_written_loss(params: dict, tokens_bt, targets_bt, cfg, kernel: str = "xla") -> Any:
+    """A plain-JAX GPT forward (same math as shardlib.models.GPT) and its loss; ``kernel``:
+    the ``implementation`` of ``jax.nn.dot_product_attention`` (xla or cudnn)."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -36,12 +53,8 @@ def hand_written_loss(params: dict, tokens_bt, targets_bt, cfg) -> Any:
         cos, sin = (c[None, :, None, :].astype(x_bthk.dtype) for c in (cos_tk, sin_tk))
         return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
-    def attention(q, k, v):
-        scores = jnp.einsum("bthk,bshk->bhts", q, k) * q.shape[-1] ** -0.5
-        t = q.shape[1]
-        mask = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-        probs = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(scores.dtype).min), axis=-1)
-        return jnp.einsum("bhts,bshk->bthk", probs, v)
+    def attention(q, k, v):  # (B, T, H, K) each
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=kernel)
 
     seq_len, head_dim = tokens_bt.shape[1], cfg.head_dim
     inv_freq = 1.0 / cfg.rope_theta ** (jnp.arange(0, head_dim, 2) / head_dim)
@@ -114,8 +127,9 @@ def lib_run(setup, batch: dict, seed: int) -> SteppedRun:
     return SteppedRun(step, (state,), batch, compile_s, compiled)
 
 
-def hand_run(setup, batch: dict, seed: int) -> SteppedRun:
-    """The hand-written step: same initial params, optimizer and shardings as shardlib."""
+def hand_run(setup, batch: dict, seed: int, kernel: str | None = None) -> SteppedRun:
+    """The hand-written step: same initial params, optimizer and shardings as shardlib;
+    attention with ``kernel`` (default ``hand_kernel(setup)``, shardlib's own)."""
     import jax
     import optax
     from flax import nnx
@@ -139,10 +153,12 @@ def hand_run(setup, batch: dict, seed: int) -> SteppedRun:
     opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
 
     compute = setup.policy.compute  # bf16/fp16 runs: matmuls in the compute dtype
+    kernel = hand_kernel(setup) if kernel is None else kernel
 
     def loss_fn(params, batch):
         params = jax.tree.map(lambda p: p.astype(compute), params)
-        return hand_written_loss(params, batch["inputs"], batch["targets"], config.model)
+        return hand_written_loss(params, batch["inputs"], batch["targets"], config.model,
+                                 kernel)
 
     def hand_step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -191,11 +207,13 @@ def main() -> None:
     import numpy as np
 
     from shardlib.config import Config, parse_mesh
+    from shardlib.inspect import attention_kernel
     from shardlib.models import get_preset
 
     config = Config(mesh=parse_mesh(args.mesh), model=get_preset(args.model))
     setup, batch = make_setup(config, devices)
     lib, hand = lib_run(setup, batch, config.train.seed), hand_run(setup, batch, config.train.seed)
+    print(f"attention: shardlib {attention_kernel(setup)}, hand-written {hand_kernel(setup)}")
     print(f"first-step loss: shardlib {float(lib.advance()):.6f}  "
           f"hand-written {float(hand.advance()):.6f}")
     lib_times, hand_times = [], []

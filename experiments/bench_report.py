@@ -17,7 +17,11 @@ CSV_FIELDS = ("devices", "strategy", "mesh", "platform", "device_kind", "model",
               "batch_size", "seq_len", "precision", "compile_s", "step_time_s",
               "step_time_min_s", "tokens_per_sec", "model_flops_per_step", "peak_flops",
               "mfu", "memory_bytes_per_device", "hand_step_time_s", "hand_mfu",
-              "overhead_ratio", "first_loss", "hand_first_loss")
+              "overhead_ratio", "first_loss", "hand_first_loss",
+              # added later, so older CSVs lack them: MaxText's causal convention beside
+              # PaLM's ``mfu``, each step's attention kernel, the layers scanned or not
+              "causal_model_flops_per_step", "mfu_causal", "hand_mfu_causal", "attention",
+              "hand_attention", "scan_layers")
 
 
 def machine_info() -> dict[str, Any]:
@@ -73,15 +77,20 @@ def _mib(x: Any) -> str:
 
 
 def table_lines(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| devices | strategy | mesh | tokens/s | step (median) | compile | MiB/device "
-             "| MFU | hand-written MFU | shardlib / hand |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    """One line per row: MFU in both conventions, each step's attention kernel."""
+    lines = ["| devices | strategy | mesh | attention | tokens/s | step (median) | compile "
+             "| MiB/device | MFU (PaLM) | MFU (causal) | hand-written MFU (PaLM / causal) "
+             "| shardlib / hand |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['overhead_ratio']:.3f}" if isinstance(r["overhead_ratio"], float) else "-"
-        lines.append(f"| {r['devices']} | {r['strategy']} | {r['mesh']} | "
+        kernels = r["attention"] + (f" (hand: {r['hand_attention']})" if r["hand_attention"]
+                                    and r["hand_attention"] != r["attention"] else "")
+        lines.append(f"| {r['devices']} | {r['strategy']} | {r['mesh']} | {kernels} | "
                      f"{r['tokens_per_sec']:,.0f} | {r['step_time_s']:.3f} s | "
                      f"{r['compile_s']:.1f} s | {_mib(r['memory_bytes_per_device'])} | "
-                     f"{_pct(r['mfu'])} | {_pct(r['hand_mfu'])} | {ratio} |")
+                     f"{_pct(r['mfu'])} | {_pct(r['mfu_causal'])} | {_pct(r['hand_mfu'])} / "
+                     f"{_pct(r['hand_mfu_causal'])} | {ratio} |")
     return lines
 
 
@@ -134,7 +143,10 @@ def markdown(results: dict[int, dict], rows: list[dict[str, Any]], args) -> str:
            f"Model: {args.model} with {args.layers} layers, batch {args.batch_size} x "
            f"{args.seq_len} tokens, {args.precision}. Step time: median of {args.rounds} "
            f"rounds of {args.steps_per_round} step(s) after one warm-up step. MFU = model "
-           "FLOPs (6 Psi + 12 L T d per token) / step time / peak; peak: "
+           "FLOPs / step time / peak, the FLOPs per token counted as PaLM does (6 Psi + 12 "
+           "L T d, torchtitan's convention) and as MaxText does (causal: 6 Psi_matmul + 6 "
+           "L T d); the hand-written step uses shardlib's attention kernel where jax.nn has "
+           "it (else xla, named in brackets); peak: "
            f"{first.get('peak_source', '?')}. Simulated CPU devices share the host's "
            "cores, so their peak is the host's.", "", *table_lines(rows), "",
            "Goals:", *goal_lines(results, rows)]

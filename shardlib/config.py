@@ -60,7 +60,10 @@ class ModelConfig:
     max_seq_len: int = 1024  # size of the learned position table / RoPE cache bound
     pos_embedding: str = "rope"  # "rope" or "learned"
     tie_embeddings: bool = True  # LM head reuses the token embedding (GPT-2)
-    scan_layers: bool = True  # lax.scan over stacked layers: compile time flat in depth
+    # lax.scan over stacked layers (true: compile time flat in depth) or unrolled (false:
+    # faster on a GPU, compile time grows with depth); auto: shardlib.layer_scan chooses by
+    # platform, depth and mesh (scanned on CPU and TPU) and says why at start-up
+    scan_layers: bool | str = "auto"
     init_std: float = 0.02  # GPT-2 init; residual projections get 0.02/sqrt(2L)
     rope_theta: float = 10000.0
     remat: str = "none"  # none | full | dots (keep only matmul outputs) per layer
@@ -351,7 +354,10 @@ def _coerce(text: str, annotation: Any, key: str) -> Any:
     """Parse ``text`` into the field's declared type, or raise naming the key."""
     kind = typing.get_origin(annotation) or annotation
     if isinstance(annotation, types.UnionType):
-        kind = next(a for a in typing.get_args(annotation) if a is not type(None))
+        kinds = typing.get_args(annotation)
+        if bool in kinds and str in kinds:  # true / false, or a word such as auto
+            return _coerce_flag_or_word(text)
+        kind = next(a for a in kinds if a is not type(None))
     try:
         if kind is bool:
             lowered = text.strip().lower()
@@ -372,6 +378,15 @@ def _coerce(text: str, annotation: Any, key: str) -> Any:
         raise ConfigError(f"--set {key}: fields of type {annotation} cannot be set from the CLI")
     name = getattr(kind, "__name__", str(kind))
     raise ConfigError(f"--set {key}={text}: expected a {name}")
+
+
+def _coerce_flag_or_word(text: str) -> bool | str:
+    """A ``bool | str`` field: the boolean words as a bool, any other text as itself (its
+    own check names the valid words)."""
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return lowered in ("1", "true", "yes", "on")
+    return lowered
 
 
 def _field_types(cls: type) -> dict[str, Any]:

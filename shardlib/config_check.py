@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 
+from shardlib import layer_scan
 from shardlib.config import Config
 from shardlib.errors import ConfigError
 
@@ -98,6 +99,7 @@ def check_ranges(config: Config, flags: dict[str, str] | None = None) -> None:
                 continue
             head, where = _named(f"{section}.{name}", value, flags)
             raise ConfigError(f"{head}: must be {_wanted(value, rule, number)}{where}")
+    layer_scan.check_setting(config.model.scan_layers)
     if config.model.pos_embedding == "learned":
         check_seq_len(config, flags)
     if config.train.objective not in OBJECTIVES:

@@ -133,7 +133,7 @@ def analyze(config: Config, devices: list[jax.Device] | None = None, *,
                        act_bytes=activation_bytes(setup))
     memory = memory_report(compiled, state, batch, state_bytes_per_device(config, setup.sizes),
                            platform_of(setup.mesh))
-    flops = flops_report(config, compiled, setup.mesh.devices.size)
+    flops = flops_report(setup.config, compiled, setup.mesh.devices.size)  # scan resolved
     facts = kernel_facts(text)
     return Inspection(setup, collectives, terms, memory, peak_formula(setup), flops, compile_s,
                       facts, compiled_attention(attention_kernel(setup), facts), target)
@@ -323,6 +323,8 @@ def to_json(ins: Inspection) -> dict[str, Any]:
         "params": param_rows(setup),
         "attention_kernel": ins.attention, "kernels": ins.kernels.to_dict(),
         "target": None if ins.target is None else target_dict(ins.target, fits=ins.fits),
+        # what each auto option chose, and why (model.scan_layers=auto: on every platform)
+        "notes": [*setup.notes, *([setup.layers_note] if setup.layers_note else [])],
     }
 
 
@@ -418,6 +420,10 @@ def flops_lines(ins: Inspection) -> list[str]:
     xla = "n/a" if f.xla_flops_per_device is None else f"{f.xla_flops_per_device:,.0f}"
     lines = [f"FLOPs per device per step: XLA {xla}, model 6 Psi + 12 L T d "
              f"{f.model_flops_per_device:,.0f} (XLA / model {_fmt_ratio(f.xla_over_model)})"]
+    if f.causal_model_flops_per_token:
+        lines.append(f"  per token: PaLM 6 Psi + 12 L T d {f.model_flops_per_token:,} (mfu); "
+                     f"MaxText's causal 6 Psi_matmul + 6 L T d "
+                     f"{f.causal_model_flops_per_token:,} (mfu_causal)")
     if f.scan_layers:
         lines.append("  (scan_layers: XLA counts the scanned layer body once, not L times)")
     return lines
@@ -453,6 +459,9 @@ def render(ins: Inspection, console: Console | None = None) -> None:
         console.print(f"model {setup.model.name}: {num_params(setup):,} parameters, FSDP units "
                       f"{setup.model.units or 'none'}; batch {tc.batch_size}; compiled in "
                       f"{ins.compile_s:.1f} s")
+    for note in (*setup.notes, setup.layers_note):  # what each auto option chose, and why
+        if note:
+            console.print(note)
     console.print(sharding_table(param_table(setup)))
     console.print(collectives_table(ins))
     console.print(theory_table(ins))

@@ -1,11 +1,13 @@
 """A view into a running job: MFU and memory on every logged step, TensorBoard scalars,
 a ``jax.profiler`` trace of chosen steps, and the end-of-run performance summary.
 
-``RunObserver`` is created by the loop and told the compiled step; it adds ``mfu`` and
-``memory_bytes`` to each metrics row (so the console, the metrics file and TensorBoard
-all see them), starts and stops the profiler around steps ``A:B``, and fills the
-summary's ``mfu`` and ``peak_memory_bytes``. ``TensorBoardReporter`` is an ordinary
-reporter that writes every row as scalars with ``tensorboardX``.
+``RunObserver`` is created by the loop and told the compiled step; it adds ``mfu``,
+``mfu_causal`` and ``memory_bytes`` to each metrics row (so the console, the metrics file
+and TensorBoard all see them), starts and stops the profiler around steps ``A:B``, and
+fills the summary's ``mfu``, ``mfu_causal`` and ``peak_memory_bytes``. ``mfu`` counts
+FLOPs in PaLM's convention, ``mfu_causal`` in MaxText's (``analysis.flops``).
+``TensorBoardReporter`` is an ordinary reporter that writes every row as scalars with
+``tensorboardX``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import jax
 
-from shardlib.analysis.flops import model_flops_per_token
+from shardlib.analysis.flops import causal_model_flops_per_token, model_flops_per_token
 from shardlib.analysis.memory import compiled_memory, peak_of
 from shardlib.analysis.mfu import Peak, peak_flops
 from shardlib.config import TrainConfig
@@ -28,7 +30,7 @@ SCALAR_TAGS = {
     "loss_scale": "train/loss_scale", "skipped_steps": "train/skipped_steps",
     "eval_loss": "eval/loss", "tokens_per_sec": "perf/tokens_per_sec",
     "examples_per_sec": "perf/examples_per_sec",
-    "step_time_s": "perf/step_time_s", "mfu": "perf/mfu",
+    "step_time_s": "perf/step_time_s", "mfu": "perf/mfu", "mfu_causal": "perf/mfu_causal",
     "memory_bytes": "memory/bytes_per_device", "goodput": "perf/goodput",
 }
 
@@ -117,8 +119,12 @@ class RunObserver:
         self.devices = list(setup.mesh.devices.flat)
         # the GPT's model FLOPs; a user's model: the compiled step's own (``on_compiled``)
         self.builtin = setup.model.has("planner")
-        self.flops_per_step = (model_flops_per_token(setup.config) * tc.batch_size * tc.seq_len
+        tokens = tc.batch_size * tc.seq_len
+        self.flops_per_step = (model_flops_per_token(setup.config) * tokens
                                if self.builtin else 0.0)
+        # MaxText's convention needs the GPT's shape: a user's model has no mfu_causal
+        self.causal_flops_per_step = (causal_model_flops_per_token(setup.config) * tokens
+                                      if self.builtin else None)
         self.planned_bytes: int | None = None
         self.compute_dtype = setup.policy.compute
         self.profiler = StepProfiler(parse_profile_steps(tc.profile_steps), profile_dir(tc))
@@ -145,11 +151,18 @@ class RunObserver:
         """Measured peak device memory where the backend reports it, else XLA's plan."""
         return device_memory_bytes(self.devices) or self.planned_bytes
 
+    def mfus(self, step_time_s: float) -> dict[str, float]:
+        """``mfu`` (PaLM's convention) and, for the GPT, ``mfu_causal`` (MaxText's)."""
+        out = {"mfu": self.peak.mfu(self.flops_per_step, step_time_s)}
+        if self.causal_flops_per_step is not None:
+            out["mfu_causal"] = self.peak.mfu(self.causal_flops_per_step, step_time_s)
+        return out
+
     def annotate(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Add ``mfu`` and ``memory_bytes`` to freshly synced rows."""
+        """Add ``mfu``, ``mfu_causal`` and ``memory_bytes`` to freshly synced rows."""
         memory = self.memory_bytes()
         for row in rows:
-            row["mfu"] = self.peak.mfu(self.flops_per_step, row["step_time_s"])
+            row.update(self.mfus(row["step_time_s"]))
             if memory is not None:
                 row["memory_bytes"] = memory
         return rows
@@ -159,7 +172,7 @@ class RunObserver:
         self.profiler.stop()
         out: dict[str, Any] = {"peak_memory_bytes": self.memory_bytes()}
         if summary.get("step_time_s"):
-            out["mfu"] = self.peak.mfu(self.flops_per_step, summary["step_time_s"])
+            out.update(self.mfus(summary["step_time_s"]))
             out["peak_flops"] = self.peak.flops_per_sec
             out["peak_source"] = self.peak.source
         if self.profiler.trace_dir is not None:

@@ -63,13 +63,21 @@ def format_breakdown(breakdown: dict[str, float]) -> str:
                      if v > 0 or k == "productive")
 
 
+MFU_LABELS = {  # the FLOP-counting convention each MFU figure follows (analysis.flops)
+    "mfu": "PaLM: 6 Psi + 12 L T d, as torchtitan",
+    "mfu_causal": "MaxText: matmuls + causal attention at half",
+}
+
+
 def summary_value(key: str, value: Any) -> str:
     """Bytes as KiB/MiB, MFU as a percentage, FLOP/s in TFLOP/s, floats with 4 decimals."""
     if key.endswith("_bytes") and isinstance(value, int):
         return format_bytes(value)
     if key == "time_breakdown_s" and isinstance(value, dict):
         return format_breakdown(value)
-    if key in ("mfu", "goodput") and isinstance(value, float):
+    if key in MFU_LABELS and isinstance(value, float):
+        return f"{value:.1%} ({MFU_LABELS[key]})"
+    if key == "goodput" and isinstance(value, float):
         return f"{value:.1%}"
     if key == "peak_flops" and isinstance(value, float):
         return f"{value / 1e12:,.3f} TFLOP/s"
@@ -123,6 +131,8 @@ class ConsoleReporter:
             else f"{last['examples_per_sec']:,.1f} examples/s")
         if last.get("mfu") is not None:
             status += f"  MFU {last['mfu']:.1%}"
+        if last.get("mfu_causal") is not None:  # MaxText's convention beside PaLM's
+            status += f" (causal {last['mfu_causal']:.1%})"
         if "eval_loss" in last:
             status += f"  eval {last['eval_loss']:.4f}"
         if "rewards_accuracies" in last:  # a preference objective (models.preference)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from shardlib import observe
+from shardlib.analysis.flops import causal_model_flops_per_token, model_flops_per_token
 from shardlib.analysis.mfu import Peak, peak_flops, published_peak_flops
 from shardlib.cli import build_parser, config_from_args
 from shardlib.config import Config, MeshConfig, TrainConfig
@@ -176,6 +177,18 @@ def test_hand_written_loss_is_shardlibs_loss(scan_layers):
     assert float(hand) == pytest.approx(float(loss_fn(setup, params, batch)), rel=1e-5)
 
 
+@pytest.mark.parametrize("chosen, hand", [("cudnn", "cudnn"), ("xla", "xla"),
+                                          ("chunked", "xla"), ("splash", "xla")])
+def test_hand_written_step_takes_shardlibs_attention_kernel(monkeypatch, chosen, hand):
+    """cuDNN on a GPU for both steps; shardlib's own kernels without a jax.nn twin: xla."""
+    from shardlib.analysis import peak
+
+    monkeypatch.setattr(peak, "resolved_kernel", lambda *a, **k: chosen)
+    setup = type("Setup", (), {"config": None, "mesh": jax.devices()[:1], "policy":
+                               type("Policy", (), {"compute": jnp.bfloat16})()})()
+    assert bench_overhead.hand_kernel(setup) == hand
+
+
 def test_tensorboard_scalars_profile_trace_and_summary(tmp_path):
     """A 4-step run: every tag read back from the event file equals the run's metrics."""
     config = Config(mesh=MeshConfig(data=8), model=get_preset("tiny"),
@@ -197,6 +210,10 @@ def test_tensorboard_scalars_profile_trace_and_summary(tmp_path):
     expected_mfu = (result.history[0]["mfu"] * result.history[0]["step_time_s"]
                     / summary["step_time_s"])  # same FLOPs and peak, other step time
     assert summary["mfu"] == pytest.approx(expected_mfu, rel=1e-9)
+    palm, causal = (f(config) for f in (model_flops_per_token, causal_model_flops_per_token))
+    for numbers in (summary, *result.history):  # MaxText's convention beside PaLM's
+        assert numbers["mfu_causal"] / numbers["mfu"] == pytest.approx(causal / palm, rel=1e-9)
+    assert causal < palm
     trace = Path(summary["profile_trace"])
     assert list(trace.glob("*.xplane.pb")) and (trace / "perfetto_trace.json.gz").exists()
     assert trace.is_relative_to(tmp_path / "tb" / "plugins" / "profile")
@@ -230,6 +247,12 @@ def test_bench_rows_measure_both_steps_of_the_same_model(bench_results):
     assert single["first_loss"] == pytest.approx(single["hand_first_loss"], rel=1e-5)
     assert fsdp["first_loss"] == pytest.approx(single["hand_first_loss"], rel=1e-5)
     assert "hand_mfu" in single and "hand_mfu" not in fsdp
+    assert single["attention"] == single["hand_attention"] == "xla"  # the same kernel on CPU
+    assert single["scan_layers"] is True  # auto scans on CPU
+    for row in (single, fsdp):
+        assert 0 < row["mfu_causal"] < row["mfu"]
+        assert row["mfu_causal"] / row["mfu"] == pytest.approx(
+            row["causal_model_flops_per_step"] / row["model_flops_per_step"], rel=1e-9)
     shares = results[1]["rows"][0]["profile_lib"]["shares"]
     assert sum(shares.values()) == pytest.approx(1.0) and shares["matmul"] > 0
     assert results[1]["depth"]["deep_layers"] == 2 and results[1]["depth"]["ratio"] > 0

@@ -8,7 +8,11 @@ import dataclasses
 
 import pytest
 
-from shardlib.analysis.flops import layer_active_params, model_flops_per_token
+from shardlib.analysis.flops import (
+    causal_model_flops_per_token,
+    layer_active_params,
+    model_flops_per_token,
+)
 from shardlib.analysis.theory import param_counts
 from shardlib.config import Config, ModelConfig, TrainConfig
 from shardlib.models import count_params
@@ -72,3 +76,23 @@ def test_planner_counts_the_runs_mfu_flops(model):
     assert plain == per_step / 8
     full = cost.flops_per_device(cfg, space.Candidate(sizes, "full", 1))
     assert full - plain == (2 * layer_active_params(model) + 4 * L * T * D) * 8 * T / 8
+
+
+DENSE = ModelConfig(vocab_size=V, d_model=D, num_layers=L, num_heads=H, d_ff=F, max_seq_len=T,
+                    mlp="gated", activation="silu", tie_embeddings=False,
+                    pos_embedding="learned", qk_norm=True)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_causal_flops_equal_a_hand_count_of_maxtexts_formula(tied):
+    """MaxText's ``calculate_tflops_training_per_device``: 3 x 2 FLOPs per matmul weight
+    (q, k, v, o, the gated MLP, the LM head; no lookup table, no norm) per token, plus
+    ``3 x 4 T H h / 2`` per layer for the causal scores and weighted sum."""
+    model = dataclasses.replace(DENSE, tie_embeddings=tied)
+    head = V * D  # the LM head's matmul (tied: the table itself; untied: its own matrix)
+    matmuls = head + L * (4 * D * D + 3 * D * F)
+    assert causal_model_flops_per_token(config(model)) == 6 * matmuls + 3 * L * 4 * T * D // 2
+    lookups = (0 if tied else V * D) + T * D + (2 * L + 1) * D + 2 * L * (D // H)
+    palm_less_causal = 6 * lookups + 6 * L * T * D
+    assert model_flops_per_token(config(model)) - causal_model_flops_per_token(
+        config(model)) == palm_less_causal

@@ -524,5 +524,8 @@ def test_plan_json_contract(tmp_path):
     assert all(c["source"] == "analytic" for c in cands)  # --compile-top 0, none borderline
     assert any("heads=4" in r["reason"] for r in out["rejected"])
     assert f"--mesh {cands[0]['mesh_text']}" in out["train_command"]
+    assert [s["name"] for s in out["settings"]][:3] == [  # each with its value and reason
+        "model.scan_layers", "model.remat", "model.loss_chunks"]
+    assert all(s["value"] and s["why"] for s in out["settings"])
     assert parse_mesh(cands[0]["mesh_text"]).degrees() == {
         a: cands[0]["mesh"].get(a, 1) for a in MESH_AXES}

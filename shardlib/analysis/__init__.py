@@ -2,7 +2,12 @@
 per device (``memory``, ``flops``), the formulas they are held against (``theory``);
 ``shardlib.inspect`` builds the ``shardlib inspect`` report from them."""
 
-from shardlib.analysis.flops import FlopsReport, model_flops_per_token, xla_flops
+from shardlib.analysis.flops import (
+    FlopsReport,
+    causal_model_flops_per_token,
+    model_flops_per_token,
+    xla_flops,
+)
 from shardlib.analysis.hlo import (
     KINDS,
     ArrayShape,
@@ -37,6 +42,7 @@ __all__ = [
     "compiled_text",
     "format_collectives",
     "model_flops_per_token",
+    "causal_model_flops_per_token",
     "parse_collectives",
     "peak_flops",
     "published_peak_flops",

@@ -3,6 +3,15 @@
 heads times their width). The run's MFU (``observe``) and the planner (``planner.cost``)
 both count with these functions.
 
+Two conventions, so a figure can stand beside the peers' published ones:
+- ``palm`` (``model_flops_per_token``, the run's ``mfu``): PaLM's ``6 N + 12 L H Q T``,
+  every parameter and the full ``T x T`` score matrix (torchtitan's too, less its token
+  embedding).
+- ``causal`` (``causal_model_flops_per_token``, the run's ``mfu_causal``): MaxText's
+  ``calculate_tflops_training_per_device`` since its causal fix: ``3 x`` (forward + backward)
+  the matmuls only (``matmul_params``: no embedding lookup, no norms) and the attention
+  scores over half the matrix, ``6 Psi_matmul + 6 L T H h``.
+
 XLA's ``cost_analysis()`` counts the program of one device, and counts a while-loop body
 once: with ``model.scan_layers`` (the default) the layers' FLOPs appear once, not ``L``
 times. The formula is the reference for MFU; the XLA count is a cross-check that is exact
@@ -29,6 +38,7 @@ class FlopsReport:
     model_flops_per_step: int
     model_flops_per_device: float
     scan_layers: bool  # True: the XLA count holds one layer's body, not L
+    causal_model_flops_per_token: int = 0  # MaxText's convention (``mfu_causal``)
 
     @property
     def xla_over_model(self) -> float | None:
@@ -58,6 +68,30 @@ def attention_flops_per_token(model: ModelConfig, seq_len: int) -> int:
     return 12 * model.num_layers * seq_len * model.num_heads * model.head_dim
 
 
+def causal_attention_flops_per_token(model: ModelConfig, seq_len: int) -> int:
+    """``6 L T H h``: ``attention_flops_per_token`` with the causal mask's upper half not
+    counted (MaxText's ``noncausal_attention_flops / 2``; Megatron-LM's current
+    ``seq_length / hidden_size / 2``)."""
+    return attention_flops_per_token(model, seq_len) // 2
+
+
+def lookup_params(model: ModelConfig) -> int:
+    """Parameters a token reads without a matmul: the token embedding when the LM head has
+    its own matrix (tied, the table is the head's matmul), learned positions, the norms'
+    scales. MaxText's FLOP count leaves them out."""
+    d, layers = model.d_model, model.num_layers
+    lookups = 0 if model.tie_embeddings else model.vocab_size * d
+    lookups += model.max_seq_len * d if model.pos_embedding == "learned" else 0
+    norms = (2 * layers + 1) * d + (2 * layers * model.head_dim if model.qk_norm else 0)
+    return lookups + norms
+
+
+def matmul_params(model: ModelConfig) -> int:
+    """Active parameters that a token multiplies through (``ParamCounts.active`` less
+    ``lookup_params``): the projections, the MLPs, the routers and the LM head."""
+    return param_counts(model).active - lookup_params(model)
+
+
 def layer_active_params(model: ModelConfig) -> int:
     """Active parameters inside the blocks (``param_counts(model).active`` less the token
     embedding, LM head, learned positions and final norm): what ``remat=full`` recomputes."""
@@ -76,9 +110,16 @@ def model_flops_per_token(config: Config) -> int:
     return 6 * psi + attention_flops_per_token(config.model, config.train.seq_len)
 
 
+def causal_model_flops_per_token(config: Config) -> int:
+    """MaxText's convention: ``6 Psi_matmul + 6 L T H h`` (``matmul_params``,
+    ``causal_attention_flops_per_token``); the numerator of the run's ``mfu_causal``."""
+    attention = causal_attention_flops_per_token(config.model, config.train.seq_len)
+    return 6 * matmul_params(config.model) + attention
+
+
 def flops_report(config: Config, compiled: jax.stages.Compiled, num_devices: int) -> FlopsReport:
     """XLA's counted FLOPs of ``compiled`` next to the model's analytic count."""
     per_token = model_flops_per_token(config)
     per_step = per_token * config.train.batch_size * config.train.seq_len
     return FlopsReport(xla_flops(compiled), per_token, per_step, per_step / num_devices,
-                       config.model.scan_layers)
+                       config.model.scan_layers, causal_model_flops_per_token(config))

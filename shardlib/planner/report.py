@@ -15,6 +15,7 @@ from shardlib.inspect import target_dict
 from shardlib.models.presets import PRESETS
 from shardlib.planner.profiles import link_for
 from shardlib.planner.search import Plan, Scored
+from shardlib.planner.settings import pick_settings
 from shardlib.planner.space import Rejected
 from shardlib.units import format_bytes
 
@@ -103,6 +104,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
         "no_pick_reason": None if best else no_pick_reason(plan),
         "train_command": train_command(plan, best) if best else None,
         "pipeline_note": pipeline_note(plan),
+        "settings": [setting.to_dict() for setting in pick_settings(plan)],
         "candidates": [scored_dict(s) for s in plan.ranked],
         "over_budget": [scored_dict(s) for s in plan.over_budget],
         "rejected": [rejected_dict(r) for r in plan.rejected],
@@ -182,6 +184,8 @@ def render(plan: Plan, top: int = 10, console: Console | None = None) -> None:
     note = pipeline_note(plan)
     if note:
         console.print(note)
+    for setting in pick_settings(plan):
+        console.print(f"setting {setting.line()}")
     console.print(train_command(plan, plan.best))
 
 

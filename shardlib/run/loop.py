@@ -29,6 +29,7 @@ from shardlib.distributed import main_print
 from shardlib.errors import ConfigError
 from shardlib.interop import peft
 from shardlib.interop.hf import pretrained_state
+from shardlib.mesh import platform_of
 from shardlib.reporting import NullReporter, Reporter
 from shardlib.run import (
     compile_cache,
@@ -168,7 +169,7 @@ def _open(setup: TrainSetup, source: Any, state: TrainState | None,
     state = _first_state(setup, state, checkpointer, result)
     setup, notes = resume.after_restore(setup, result.resumed_from)  # lr cut on resume
     result.setup = setup
-    for note in (*setup.notes, *notes):
+    for note in (*setup.notes, *notes, *layers_note(setup)):
         main_print(f"shardlib train: {note}", file=sys.stderr, flush=True)
     loader = _loader(setup, source, state, checkpointer, result.resumed_from, loader)
     exits.callback(loader.close)
@@ -224,6 +225,13 @@ def _first_state(setup: TrainSetup, state: TrainState | None,
         raise ConfigError(f"lora.adapter={config.lora.adapter}: needs train.init_from, the "
                           "Hugging Face base model the adapter was trained on (--init-from)")
     return state if state is not None else init_state(setup, config.train.seed)
+
+
+def layers_note(setup: TrainSetup) -> tuple[str, ...]:
+    """``model.scan_layers=auto``'s choice for the start-up lines, on a GPU or TPU; on CPU
+    auto keeps the scan every run had, unsaid (``inspect`` says it everywhere)."""
+    return (setup.layers_note,) if setup.layers_note and platform_of(setup.mesh) != "cpu" \
+        else ()
 
 
 def _finish(run: _Opened, state: TrainState, compile_s: float, started: float,

@@ -56,6 +56,8 @@ class TrainSetup:
     policy: Policy
     model: Model  # the contract: module factory, loss, batch layout, capabilities
     notes: tuple[str, ...] = ()  # start-up lines: what an ``auto`` option picked
+    # model.scan_layers=auto's choice and its reason (``layer_scan``); "" when set by hand
+    layers_note: str = ""
 
     @property
     def sizes(self) -> dict[str, int]:

@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardlib import contract, sharding
+from shardlib import contract, layer_scan, sharding
 from shardlib.analysis.tables import ParamInfo, param_rows
 from shardlib.annotations import AUTO_DIM, annotate, logical_names
 from shardlib.checkpoint import Target, restore_target
@@ -129,12 +129,14 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None, *,
     """Mesh, rules and every sharding, validated before any array is allocated, for
     ``model`` (the contract: a user's own) or else the built-in GPT of ``config.model``."""
     check_ranges(config)
-    model = contract.resolve(config, model)
     devices = list(jax.devices() if devices is None else devices)
+    degrees = mesh_degrees(config, len(devices))
+    config, scan = layer_scan.resolve(config, platform_of(devices), degrees)  # before build
+    model = contract.resolve(config, model)
     policy = resolve_policy(config.precision, platform_of(devices))
     if config.lora.rank:  # adapters trained, the frozen base in the compute dtype
         model = lora.with_lora(model, config.lora, policy.compute)
-    mesh = make_mesh(mesh_degrees(config, len(devices)), devices)
+    mesh = make_mesh(degrees, devices)
     sizes = dict(mesh.shape)
     model.run_check(config, mesh)  # the model's own (the GPT's: its shape, its MoE options)
     config, notes = resolve_context_parallel(config, sizes, model)
@@ -169,7 +171,9 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None, *,
                               param_specs(abstract_rest, rules, sizes), mesh))
     return TrainSetup(config, mesh, rules, graphdef, abstract_params, tx, state_sh,
                       batch_sharding(config, mesh, rules, model),
-                      zero_sh if config.mesh.zero == 2 else param_sh, policy, model, notes)
+                      zero_sh if config.mesh.zero == 2 else param_sh, policy, model, notes,
+                      scan.note() if scan.reason != layer_scan.USER and model.has("planner")
+                      else "")
 
 
 def resolve_context_parallel(config: Config, sizes: dict[str, int], model: Model
