@@ -170,6 +170,14 @@ def test_trains_on_the_mesh_with_state_in_fp32():
     assert all(isinstance(v, nnx.Param) for _, v in nnx.to_flat_state(state.params))
 
 
+def test_start_up_line_names_fp8():
+    from shardlib import precision
+
+    cfg = PrecisionConfig(policy="bf16", matmul="fp8")
+    line = precision.describe(cfg, precision.resolve(cfg))
+    assert "compute bfloat16" in line and "fp8 matmuls (e4m3/e5m2)" in line
+
+
 def test_unknown_matmul_is_a_config_error():
     config = dataclasses.replace(tiny_config(MeshConfig(data=8)),
                                  precision=PrecisionConfig(matmul="int4"))
