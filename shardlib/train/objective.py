@@ -16,7 +16,6 @@ from flax import nnx
 
 from shardlib import precision
 from shardlib.contract import Batch, Metrics
-from shardlib.models import fp8
 from shardlib.parallel import context, fsdp, tensor, units
 from shardlib.sharding import Rules, activation_rules
 from shardlib.train.setup import TrainSetup
@@ -47,7 +46,7 @@ def run_model_loss(setup: TrainSetup, rules: Rules, params: nnx.State, batch: Ba
     own = () if model.has("gathers_units") else model.units
     with (activation_rules(setup.mesh, rules), context.context_parallel(attn.context_parallel),
           context.local_kernel(attn.impl, attn.chunk),
-          fp8.using_matmul(setup.config.precision.matmul),
+          context.matmuls(setup.config.precision.matmul),
           units.per_unit(module, own, setup.config.model.remat)):
         objective, metrics = model.loss(module, batch)
     new_state = None if model_state is None else nnx.state(module, nnx.Not(model.trainable))

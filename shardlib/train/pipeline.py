@@ -62,7 +62,6 @@ from jax.sharding import PartitionSpec
 from shardlib import hooks, precision
 from shardlib.config import Config
 from shardlib.errors import ConfigError
-from shardlib.models import fp8
 from shardlib.parallel import context, fsdp, moe_manual, tensor
 from shardlib.train import pipeline_chunks
 from shardlib.train import pipeline_schedule as ticks
@@ -266,7 +265,7 @@ def layer_strategies(config: Config, sizes: Mapping[str, int]) -> contextlib.Exi
     ``attention.impl``; the matmuls' ``precision.matmul``."""
     stack = contextlib.ExitStack()
     stack.enter_context(context.local_kernel(config.attention.impl, config.attention.chunk))
-    stack.enter_context(fp8.using_matmul(config.precision.matmul))
+    stack.enter_context(context.matmuls(config.precision.matmul))
     if sizes.get(SEQ_AXIS, 1) > 1:
         stack.enter_context(context.manual_context_parallel(config.attention.context_parallel))
     if config.model.num_experts:

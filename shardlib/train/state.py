@@ -21,12 +21,13 @@ from shardlib.config import CommConfig, Config, OptimConfig
 from shardlib.config_check import check_ranges
 from shardlib.contract import Model
 from shardlib.errors import ConfigError
-from shardlib.mesh import MESH_AXES, capability_of, make_mesh, platform_of, resolve_degrees
-from shardlib.models import fp8, lora
+from shardlib.mesh import MESH_AXES, make_mesh, platform_of, resolve_degrees
+from shardlib.models import lora
 from shardlib.parallel.context import (
     auto_note,
     check_context_parallel,
     check_local_kernel,
+    check_matmul,
     resolve_method,
 )
 from shardlib.parallel.units import find_units
@@ -142,7 +143,7 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None, *,
     if model.has("planner"):
         check_builtin(config, sizes)
     check_local_kernel(config.attention.impl, config.attention.chunk, mesh)
-    fp8.check_matmul(config.precision.matmul, platform_of(mesh), capability_of(mesh))
+    check_matmul(config.precision.matmul, mesh)
     comm_lib.check_comm(config.comm, sizes, zero=config.mesh.zero,
                         loss_scaling=policy.loss_scaling)
     rules = sharding.make_rules(config.mesh, sizes, config.rules)
