@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import math
 import statistics
 import time
 from pathlib import Path
@@ -59,7 +60,7 @@ def main() -> None:
     from shardlib.config import parse_mesh
 
     degrees = [d for d in parse_mesh(args.mesh).degrees().values() if d > 0]
-    devices = setup_devices(max(1, __import__("math").prod(degrees)))
+    devices = setup_devices(max(1, math.prod(degrees)))
     seeds = [int(s) for s in args.seeds.split(",")]
     runs = []
     for seed in seeds:
