@@ -146,6 +146,9 @@ class PrecisionConfig:
     init_scale: float = 2.0**15  # fp16 only
     growth_interval: int = 200  # double the scale after this many finite steps in a row
     max_scale: float = 2.0**24
+    # the projections and MLP matmuls: default (compute dtype) | fp8 (e4m3 forward, e5m2
+    # gradients, per-tensor current scaling; H100/H200/B200 or CPU-emulated: models.fp8)
+    matmul: str = "default"
 
 
 @dataclass(frozen=True)

@@ -435,6 +435,9 @@ def accelerator_lines(ins: Inspection) -> list[str]:
     k = ins.kernels
     lines = [f"attention kernel: {ins.attention}; collectives asynchronous (overlappable with "
              f"compute): {k.async_collectives} of {k.collectives}"]
+    if ins.setup.config.precision.matmul == "fp8":
+        lines.append(f"fp8 GEMMs in the compiled step: {k.fp8_gemms}"
+                     + (" (XLA CPU emulates fp8: widened to f32)" if not k.fp8_gemms else ""))
     if ins.target is not None and ins.memory.peak_bytes is not None:
         verdict = "fits" if ins.fits else "does NOT fit"
         lines.append(f"{ins.target.name}: peak {format_bytes(ins.memory.peak_bytes)} of "

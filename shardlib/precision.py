@@ -168,5 +168,5 @@ def describe(cfg: PrecisionConfig, policy: Policy, backend: str | None = None) -
     how = f"precision.policy={cfg.policy}" + (
         f" on {backend or jax.default_backend()}" if cfg.policy == "auto" else "")
     return (f"precision: compute {policy.compute.name}, params {policy.param.name}, "
-            f"grads {policy.grad.name}{', fp16 loss scaling' if policy.loss_scaling else ''} "
-            f"({how})")
+            f"grads {policy.grad.name}{', fp16 loss scaling' if policy.loss_scaling else ''}"
+            f"{', fp8 matmuls (e4m3/e5m2)' if cfg.matmul == 'fp8' else ''} ({how})")

@@ -178,3 +178,34 @@ def test_7b_compiles_for_64_h100s_and_fits():
           f"{ins.compile_s:.0f} s")
     assert ins.setup.mesh.devices.size == 64 and ins.fits
     assert memory.state_ratio == pytest.approx(1.0, abs=0.01)
+
+
+@needs_cuda_plugin
+def test_fp8_matmuls_compile_to_fp8_gemms_on_h100(monkeypatch):
+    """``precision.matmul=fp8`` on a data x fsdp x tensor mesh of 8 H100s: the compiled
+    step's projection and MLP dots take fp8 operands (e4m3 x e4m3 forward, an e5m2
+    gradient in backward; the GPU compiler puts them in Triton GEMM fusions), and inspect
+    counts them. A100s (sm_80) have no fp8: a ConfigError."""
+    from shardlib import inspect as inspect_mod
+    from shardlib.analysis.hlo_text import parse_module
+    from shardlib.analysis.kernels import kernel_facts
+
+    texts: list[str] = []
+    monkeypatch.setattr(inspect_mod, "kernel_facts",
+                        lambda text: texts.append(text) or kernel_facts(text))
+    config = dataclasses.replace(
+        gpu_config("data=2,fsdp=2,tensor=2", SHALLOW),
+        precision=dataclasses.replace(Config().precision, matmul="fp8"))
+    ins = analyze(config, target="h100x8")
+    module = parse_module(texts[0])
+    operand_types = [tuple(module.find(comp, name).shape.split("[")[0] for name in i.operands)
+                     for comp, instrs in module.comps.items() for i in instrs if i.opcode == "dot"]
+    assert ("f8e4m3fn", "f8e4m3fn") in operand_types
+    assert any("f8e5m2" in types for types in operand_types)
+    fp8_dots = sum(any(t.startswith("f8") for t in types) for types in operand_types)
+    assert ins.kernels.fp8_gemms == fp8_dots >= 4  # q/k/v, out, MLP in and out: forward
+    assert any(f"fp8 GEMMs in the compiled step: {fp8_dots}" in line
+               for line in inspect_mod.accelerator_lines(ins))
+    with pytest.raises(ConfigError, match=r"precision\.matmul=fp8: compute capability 8\.0 "
+                                          r"has no fp8 matmuls"):
+        build_setup(config, parse_target("a100x8").devices())

@@ -1,6 +1,7 @@
 """What a compiled step runs on its target, read from the compiled HLO: which attention
 kernel compiled (Mosaic custom calls for TPU splash attention, cuDNN's fused attention on
-GPU), and how many collectives are asynchronous, i.e. can overlap with compute.
+GPU), how many collectives are asynchronous, i.e. can overlap with compute, and how many
+GEMMs take fp8 operands (``precision.matmul=fp8``).
 
 Asynchronous on GPU and TPU: a ``*-start`` / ``*-done`` pair, or (TPU) a collective the
 compiler placed in an ``async-collective-start`` fusion or tagged with an
@@ -14,11 +15,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from shardlib.analysis.hlo import KINDS, chain_leaders
-from shardlib.analysis.hlo_text import parse_module
+from shardlib.analysis.hlo_text import HloModule, parse_module
 
 MOSAIC = "tpu_custom_call"  # Pallas kernels lowered through Mosaic (splash attention)
 CUDNN_ATTENTION = "__cudnn$fmha"  # cuDNN fused attention, forward and backward
 TRITON = "__gpu$xla.gpu.triton"  # Pallas kernels lowered through Triton
+CUBLASLT_FP8 = "__cublas$lt$matmul$f8"  # cuBLASLt's scaled fp8 matmul
+FP8_TYPES = ("f8e4m3fn", "f8e5m2")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ class KernelFacts:
     mosaic_calls: int
     cudnn_attention_calls: int
     triton_calls: int
+    # dot instructions with an fp8 operand (on GPU inside Triton GEMM fusions) plus
+    # cuBLASLt fp8 matmul calls; XLA CPU widens fp8 dots to f32, so 0 there
+    fp8_gemms: int = 0
 
     @property
     def async_fraction(self) -> float | None:
@@ -53,7 +59,21 @@ def kernel_facts(hlo_text: str) -> KernelFacts:
             asynchronous += instr.opcode.endswith("-start") or bool(re.search(
                 r'async_collective_name=|chain_id=', instr.attrs))
     return KernelFacts(total, asynchronous, hlo_text.count(f'"{MOSAIC}"'),
-                       hlo_text.count(f'"{CUDNN_ATTENTION}'), hlo_text.count(f'"{TRITON}"'))
+                       hlo_text.count(f'"{CUDNN_ATTENTION}'), hlo_text.count(f'"{TRITON}"'),
+                       fp8_dots(module) + hlo_text.count(f'"{CUBLASLT_FP8}"'))
+
+
+def fp8_dots(module: HloModule) -> int:
+    """``dot`` instructions with an fp8 operand, each counted once (a scanned layer's
+    once, not once per layer)."""
+    count = 0
+    for comp, instrs in module.comps.items():
+        for instr in instrs:
+            if instr.opcode != "dot":
+                continue
+            operands = (module.find(comp, name) for name in instr.operands)
+            count += any(o is not None and o.shape.startswith(FP8_TYPES) for o in operands)
+    return count
 
 
 def compiled_attention(chosen: str, facts: KernelFacts) -> str:

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from shardlib import hooks
-from shardlib.models import attention
+from shardlib.models import attention, fp8
 from shardlib.sharding import compute_platform, constrain
 
 Initializer = Callable[[jax.Array, Sequence[int], jnp.dtype], jax.Array]
@@ -242,9 +242,12 @@ def fusable(*ws: nnx.Variable | OwnProjection) -> bool:
 
 
 def linear(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    """``jnp.einsum(spec, x, w)`` of an activation and a weight. On XLA CPU its weight
-    gradient takes ``cpu_linear``'s form; GPU and TPU get the plain einsum and autodiff,
-    which their compilers lay out themselves."""
+    """``jnp.einsum(spec, x, w)`` of an activation and a weight. In fp8 where the trace
+    asks for it (``fp8.using_matmul``); else on XLA CPU its weight gradient takes
+    ``cpu_linear``'s form; GPU and TPU get the plain einsum and autodiff, which their
+    compilers lay out themselves."""
+    if fp8.active():
+        return fp8.fp8_einsum(spec, x, w)
     if compute_platform() == "cpu":
         return cpu_linear(spec, x, w)
     return jnp.einsum(spec, x, w)

@@ -39,7 +39,7 @@ from jax.sharding import Mesh, PartitionSpec
 from shardlib import sharding
 from shardlib.errors import ConfigError, ShardingError
 from shardlib.mesh import capability_of, platform_of
-from shardlib.models import attention, flash
+from shardlib.models import attention, flash, fp8
 
 AXIS = "sequence"
 METHODS: tuple[str, ...] = ("auto", "none", "ring", "ulysses", "allgather")
@@ -65,6 +65,19 @@ def local_kernel(kernel: str, chunk: int) -> contextlib.AbstractContextManager[N
     context-parallel block's, runs ``kernel`` (``attention.impl``) in ``chunk``-sized
     pieces (``models.attention.using_kernel``)."""
     return attention.using_kernel(kernel, chunk)
+
+
+def check_matmul(matmul: str, mesh: Mesh) -> None:
+    """Raise if ``precision.matmul`` cannot run on ``mesh``'s devices (fp8: GPUs of
+    compute capability 8.9+ or CPU; ``models.fp8.check_matmul``), before anything
+    compiles."""
+    fp8.check_matmul(matmul, platform_of(mesh), capability_of(mesh))
+
+
+def matmuls(matmul: str) -> contextlib.AbstractContextManager[None]:
+    """Within this block (while tracing) the model's projections and MLP multiply in
+    ``matmul``'s dtypes (``models.fp8.using_matmul``)."""
+    return fp8.using_matmul(matmul)
 
 
 @contextlib.contextmanager

@@ -46,6 +46,7 @@ def run_model_loss(setup: TrainSetup, rules: Rules, params: nnx.State, batch: Ba
     own = () if model.has("gathers_units") else model.units
     with (activation_rules(setup.mesh, rules), context.context_parallel(attn.context_parallel),
           context.local_kernel(attn.impl, attn.chunk),
+          context.matmuls(setup.config.precision.matmul),
           units.per_unit(module, own, setup.config.model.remat)):
         objective, metrics = model.loss(module, batch)
     new_state = None if model_state is None else nnx.state(module, nnx.Not(model.trainable))

@@ -262,9 +262,10 @@ def layer_strategies(config: Config, sizes: Mapping[str, int]) -> contextlib.Exi
     """The layer-level strategies active inside the stages, to enter while tracing:
     Megatron TP/SP over ``tensor`` (untyped: the step differentiates inside shard_map) and
     the context-parallel attention over ``sequence``; the attention kernel
-    ``attention.impl``."""
+    ``attention.impl``; the matmuls' ``precision.matmul``."""
     stack = contextlib.ExitStack()
     stack.enter_context(context.local_kernel(config.attention.impl, config.attention.chunk))
+    stack.enter_context(context.matmuls(config.precision.matmul))
     if sizes.get(SEQ_AXIS, 1) > 1:
         stack.enter_context(context.manual_context_parallel(config.attention.context_parallel))
     if config.model.num_experts:

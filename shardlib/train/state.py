@@ -27,6 +27,7 @@ from shardlib.parallel.context import (
     auto_note,
     check_context_parallel,
     check_local_kernel,
+    check_matmul,
     resolve_method,
 )
 from shardlib.parallel.units import find_units
@@ -144,6 +145,7 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None, *,
     if model.has("planner"):
         check_builtin(config, sizes)
     check_local_kernel(config.attention.impl, config.attention.chunk, mesh)
+    check_matmul(config.precision.matmul, mesh)
     comm_lib.check_comm(config.comm, sizes, zero=config.mesh.zero,
                         loss_scaling=policy.loss_scaling)
     rules = sharding.make_rules(config.mesh, sizes, config.rules)
