@@ -501,9 +501,18 @@ class Checkpointer:
         except CheckpointError:
             return ""
         here = to_dict(config)["model"]
+        differ = {k: v for k, v in saved.items() if here.get(k) != v}
+        if not differ:
+            return ""
         diffs = [f"model.{k}={v!r} (checkpoint) vs {here.get(k)!r} (here)"
-                 for k, v in saved.items() if here.get(k) != v]
-        return f"; config differs: {', '.join(diffs)}" if diffs else ""
+                 for k, v in differ.items()]
+        fix = " ".join(f"model.{k}={set_value(v)}" for k, v in differ.items())
+        return f"; config differs: {', '.join(diffs)} (to read it: --set {fix})"
+
+
+def set_value(value: Any) -> str:
+    """``value`` as ``--set`` takes it: ``false``, ``4``, ``rope``."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def open_for_training(cfg: CheckpointConfig) -> Checkpointer | None:

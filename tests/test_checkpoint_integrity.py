@@ -125,6 +125,18 @@ def test_a_sizes_only_record_still_restores(saved, tmp_path):
     assert int(state.step) == 4
 
 
+def test_a_layout_mismatch_names_the_setting_that_reads_it(saved, tmp_path):
+    """A checkpoint of scanned layers read by an unrolled model (``model.scan_layers=auto``
+    unrolls on a GPU): the error names the ``--set`` that reads it, and reads nothing."""
+    config = config_for(copy_of(saved, tmp_path))
+    model = dataclasses.replace(config.model, scan_layers=False)
+    setup = build_setup(dataclasses.replace(config, model=model))
+    with pytest.raises(checkpoint.CheckpointError) as caught:
+        Checkpointer(config.checkpoint.dir, read_only=True).restore(setup)
+    assert "model.scan_layers=True (checkpoint) vs False (here)" in str(caught.value)
+    assert str(caught.value).endswith("(to read it: --set model.scan_layers=true)")
+
+
 # -- part 3: storage faults are one line ---------------------------------------------------
 
 
