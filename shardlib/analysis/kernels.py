@@ -1,6 +1,7 @@
 """What a compiled step runs on its target, read from the compiled HLO: which attention
 kernel compiled (Mosaic custom calls for TPU splash attention, cuDNN's fused attention on
-GPU), and how many collectives are asynchronous, i.e. can overlap with compute.
+GPU), the Pallas GPU kernels (Triton, Mosaic GPU: tokamax's grouped matmul), and how many
+collectives are asynchronous, i.e. can overlap with compute.
 
 Asynchronous on GPU and TPU: a ``*-start`` / ``*-done`` pair, or (TPU) a collective the
 compiler placed in an ``async-collective-start`` fusion or tagged with an
@@ -19,6 +20,7 @@ from shardlib.analysis.hlo_text import parse_module
 MOSAIC = "tpu_custom_call"  # Pallas kernels lowered through Mosaic (splash attention)
 CUDNN_ATTENTION = "__cudnn$fmha"  # cuDNN fused attention, forward and backward
 TRITON = "__gpu$xla.gpu.triton"  # Pallas kernels lowered through Triton
+MOSAIC_GPU = "mosaic_gpu_v2"  # Pallas kernels lowered through Mosaic GPU (Hopper and newer)
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class KernelFacts:
     mosaic_calls: int
     cudnn_attention_calls: int
     triton_calls: int
+    mosaic_gpu_calls: int = 0
 
     @property
     def async_fraction(self) -> float | None:
@@ -53,7 +56,8 @@ def kernel_facts(hlo_text: str) -> KernelFacts:
             asynchronous += instr.opcode.endswith("-start") or bool(re.search(
                 r'async_collective_name=|chain_id=', instr.attrs))
     return KernelFacts(total, asynchronous, hlo_text.count(f'"{MOSAIC}"'),
-                       hlo_text.count(f'"{CUDNN_ATTENTION}'), hlo_text.count(f'"{TRITON}"'))
+                       hlo_text.count(f'"{CUDNN_ATTENTION}'), hlo_text.count(f'"{TRITON}"'),
+                       hlo_text.count(f'"{MOSAIC_GPU}"'))
 
 
 def compiled_attention(chosen: str, facts: KernelFacts) -> str:
