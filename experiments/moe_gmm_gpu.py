@@ -42,7 +42,7 @@ from shardlib.target import parse_target
 from shardlib.train.state import named_tree, param_specs
 
 RESULTS = Path(__file__).resolve().parent / "results"
-IMPLS = ("tile_scan", "tokamax_mosaic", "tokamax_triton", "ragged_dot", "auto")
+IMPLS = ("tile_scan", "tokamax_triton", "tokamax_mosaic", "ragged_dot", "auto")
 KERNELS = {"triton": "__gpu$xla.gpu.triton", "mosaic_gpu": "mosaic_gpu_v2"}
 SEQ, D_MODEL, D_FF, TOP_K = 4096, 256, 512, 2
 
@@ -92,22 +92,34 @@ def point(experts: int, impl: str, mesh_axes: dict[str, int], devices: list) -> 
     return row
 
 
-def sweep(quick: bool) -> list[dict]:
+def sweep(quick: bool, impls: tuple[str, ...]) -> list[dict]:
+    """Every (experts, impl) point on ``data=8``, then ``auto`` on ``expert=8``; the rows
+    replace those of the same point already in the CSV (``--impls`` reruns some)."""
     devices = parse_target("h100x8").devices()
-    rows = []
-    for experts in (8, 64) if quick else (8, 64, 256):
-        for impl in IMPLS:
-            try:
-                rows.append(point(experts, impl, {"data": 8}, devices))
-            except ConfigError as err:
-                rows.append({"experts": experts, "moe_gmm": impl, "mesh": "data=8",
-                             "ran": f"ConfigError: {err}"})
-            print(rows[-1], flush=True)
-            write_csv(RESULTS / "moe_gmm_gpu.csv", rows)
-    rows.append(point(64, "auto", {"expert": 8}, devices))
-    print(rows[-1], flush=True)
-    write_csv(RESULTS / "moe_gmm_gpu.csv", rows)
+    path = RESULTS / "moe_gmm_gpu.csv"
+    rows = read_csv(path)
+    points = [(e, impl, {"data": 8}) for e in ((8, 64) if quick else (8, 64, 256))
+              for impl in impls]
+    points += [(64, "auto", {"expert": 8})] if "auto" in impls else []
+    for experts, impl, mesh_axes in points:
+        mesh = ",".join(f"{k}={v}" for k, v in mesh_axes.items())
+        try:
+            row = point(experts, impl, mesh_axes, devices)
+        except ConfigError as err:
+            row = {"experts": experts, "moe_gmm": impl, "mesh": mesh, "ran": f"ConfigError: {err}"}
+        key = (str(experts), impl, mesh)
+        rows = [r for r in rows if (str(r["experts"]), r["moe_gmm"], r["mesh"]) != key] + [row]
+        print(row, flush=True)
+        write_csv(path, sorted(rows, key=lambda r: (int(r["experts"]), r["mesh"] != "data=8",
+                                                    IMPLS.index(r["moe_gmm"]))))
     return rows
+
+
+def read_csv(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return list(csv.DictReader(f))
 
 
 def timed_point(experts: int, impl: str, device: jax.Device, seq: int) -> dict:
@@ -157,11 +169,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="8 and 64 experts only")
     parser.add_argument("--time", action="store_true", help="time on the local GPU")
     parser.add_argument("--seq", type=int, default=SEQ, help="tokens for --time")
+    parser.add_argument("--impls", default=",".join(IMPLS), help="moe_gmm values to compile")
     args = parser.parse_args()
     if args.time:
         time_sweep(args.seq)
     else:
-        sweep(args.quick)
+        sweep(args.quick, tuple(args.impls.split(",")))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ from the platform compiled for (``sharding.compute_platform``), not the host's:
 - ``tile_scan``: ``grouped.blockwise_gmm``, a scan over (block, expert) tiles; any platform.
 - ``ragged_dot``: ``jax.lax.ragged_dot``; native on TPU, expanded densely by XLA CPU and
   jax 0.10's GPU compiler (every row against every expert).
-- ``tokamax`` (``tokamax_mosaic``, ``tokamax_triton``): tokamax's Pallas kernels on an
-  NVIDIA GPU of sm80+ (Mosaic GPU needs sm90+), ``models.gmm_tokamax``.
+- ``tokamax`` (``tokamax_triton``, ``tokamax_mosaic``): tokamax's Pallas kernels on an
+  NVIDIA GPU of sm80+, Triton first (Mosaic GPU needs sm90+ and compiles far slower at
+  many experts), ``models.gmm_tokamax``.
 - ``auto``: ragged_dot on TPU; on GPU tokamax when it imports and compiles for the GPU,
   else the tile scan, saying why in a log line and in ``shardlib inspect``; the tile scan
   on CPU. Asking for tokamax where it cannot run is a ConfigError.
