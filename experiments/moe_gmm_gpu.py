@@ -7,8 +7,9 @@ tokens per GPU, every expert on every GPU) at 8, 64 and 256 experts, its loss's 
 for the input and the weights; for each grouped matmul (``model.moe_gmm``): the compiled
 per-GPU temporaries (``memory_analysis().temp_size_in_bytes``), the kernels in the HLO
 (Pallas custom calls: ``__gpu$xla.gpu.triton``, ``mosaic_gpu_v2``; a dense ragged dot
-shows none), the ``while`` loops (the tile scan's), and the compile time. One row on
-``expert=8`` checks the kernel inside the expert-parallel exchange.
+shows none), the ``while`` loops (the tile scan's), and the compile time. Two rows of
+``moe-tiny``'s whole train step on ``data=2,expert=4`` check the kernel inside the
+expert-parallel exchange.
 
     PYTHONPATH=.:<cuda plugin>:<tokamax> python experiments/moe_gmm_gpu.py [--quick]
     python experiments/moe_gmm_gpu.py --time     # on a machine with a GPU: step times
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import re
 import statistics
 import time
@@ -32,9 +34,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardlib.config import MeshConfig, ModelConfig
+from shardlib.config import Config, MeshConfig, ModelConfig, TrainConfig, parse_mesh
 from shardlib.errors import ConfigError
+from shardlib.inspect import analyze, grouped_matmul
 from shardlib.mesh import make_mesh
+from shardlib.models import get_preset
 from shardlib.models.gmm import resolve_gmm
 from shardlib.models.moe import MoEMLP
 from shardlib.sharding import activation_rules, compiling_for, logical_to_spec, make_rules
@@ -100,19 +104,38 @@ def sweep(quick: bool, impls: tuple[str, ...]) -> list[dict]:
     rows = read_csv(path)
     points = [(e, impl, {"data": 8}) for e in ((8, 64) if quick else (8, 64, 256))
               for impl in impls]
-    points += [(64, "auto", {"expert": 8})] if "auto" in impls else []
+    points += [(8, impl, {"data": 2, "expert": 4}) for impl in ("tile_scan", "auto")
+               if impl in impls]
     for experts, impl, mesh_axes in points:
         mesh = ",".join(f"{k}={v}" for k, v in mesh_axes.items())
         try:
-            row = point(experts, impl, mesh_axes, devices)
+            row = (point if "expert" not in mesh_axes else step_point)(
+                experts, impl, mesh_axes, devices)
         except ConfigError as err:
-            row = {"experts": experts, "moe_gmm": impl, "mesh": mesh, "ran": f"ConfigError: {err}"}
-        key = (str(experts), impl, mesh)
+            row = {"experts": experts, "moe_gmm": impl, "mesh": mesh,
+                   "ran": f"ConfigError: {err}"}
+        key = (str(experts), impl, row["mesh"])
         rows = [r for r in rows if (str(r["experts"]), r["moe_gmm"], r["mesh"]) != key] + [row]
         print(row, flush=True)
         write_csv(path, sorted(rows, key=lambda r: (int(r["experts"]), r["mesh"] != "data=8",
                                                     IMPLS.index(r["moe_gmm"]))))
     return rows
+
+
+def step_point(experts: int, impl: str, mesh_axes: dict[str, int], devices: list) -> dict:
+    """``moe-tiny``'s whole train step (``shardlib inspect``), where the experts are split
+    over ``expert`` (the layer alone on an expert mesh does not compile for the GPU target
+    with any grouped matmul: "CUDA Runtime error: invalid device ordinal" from XLA)."""
+    mesh = ",".join(f"{k}={v}" for k, v in mesh_axes.items())
+    model = dataclasses.replace(get_preset("moe-tiny"), num_experts=experts, moe_gmm=impl)
+    config = Config(mesh=parse_mesh(mesh), model=model,
+                    train=TrainConfig(batch_size=16, seq_len=256))
+    ins = analyze(config, target=parse_target("h100x8"))
+    return {"experts": experts, "moe_gmm": impl, "mesh": f"{mesh} (moe-tiny step)",
+            "ran": grouped_matmul(ins.setup), "compile_s": round(ins.compile_s, 1),
+            "temp_mib": round(ins.memory.temp_bytes / 2**20, 1),
+            "triton_calls": ins.kernels.triton_calls,
+            "mosaic_gpu_calls": ins.kernels.mosaic_gpu_calls}
 
 
 def read_csv(path: Path) -> list[dict]:
