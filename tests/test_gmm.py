@@ -7,7 +7,8 @@ and tokamax's path (``shardlib.models.gmm_tokamax``).
   field, the value and the fix.
 - With tokamax installed: its path (through tokamax's XLA implementation, the one that
   runs on CPU) equals the tile scan in values and gradients inside a ``shard_map`` that
-  checks varying axes, with replicated weights (their gradient summed over devices).
+  checks varying axes, with replicated weights (their gradient summed over devices); rows
+  a kernel leaves unwritten past the groups (NaN in a stand-in kernel) come out 0.
 - With JAX's CUDA plugin and tokamax: the MoE train step compiled for 8 H100s calls
   tokamax's Pallas kernel (three per grouped matmul: the forward, and two in the
   backward), which ``model.moe_gmm=tile_scan`` does not; a T4 target (sm_75) falls back to
@@ -115,6 +116,47 @@ def test_tokamax_path_equals_the_tile_scan_in_a_checked_shard_map():
         x_ak, w_ekn)
     np.testing.assert_allclose(got[0], want[0], rtol=TOL)
     for g, w in zip(got[1], want[1], strict=True):
+        assert relative_error(np.asarray(g), np.asarray(w)) < TOL
+
+
+@needs_tokamax
+def test_rows_the_kernel_leaves_unwritten_come_out_zero():
+    """tokamax's GPU kernels write only the rows in groups (the output is uninitialised
+    memory): a stand-in kernel that fills the rest with NaN, in y and in dx, changes
+    nothing in values or gradients."""
+    x_ak = jnp.asarray(np.random.default_rng(1).normal(size=(16, 8)), jnp.float32)
+    w_ekn = jnp.asarray(np.random.default_rng(2).normal(size=(3, 8, 4)), jnp.float32)
+    sizes_e = jnp.asarray([4, 0, 7], jnp.int32)  # 5 rows past the groups
+
+    @jax.custom_vjp
+    def unwritten(x, w, sizes):
+        return nan_past_groups(jax.lax.ragged_dot(x, w, sizes), sizes)
+
+    def unwritten_fwd(x, w, sizes):
+        return unwritten(x, w, sizes), (x, w, sizes)
+
+    def unwritten_bwd(res, dy):
+        x, w, sizes = res
+        dx, dw = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, sizes), x, w)[1](dy)
+        return nan_past_groups(dx, sizes), dw, None
+
+    unwritten.defvjp(unwritten_fwd, unwritten_bwd)
+
+    def nan_past_groups(y, sizes):
+        return jnp.where((jnp.arange(y.shape[0]) < jnp.sum(sizes))[:, None], y, jnp.nan)
+
+    def kernel(lhs, rhs, *, group_sizes, **_):
+        return unwritten(lhs, rhs, group_sizes)
+
+    def loss(gmm_fn, x_ak, w_ekn):
+        return jnp.sum(gmm_fn(x_ak, w_ekn, sizes_e) ** 2)
+
+    stand_in = lambda x, w, s: gmm_tokamax.tokamax_gmm(  # noqa: E731
+        x, w, s, device=jax.devices()[0], implementation=(kernel,))
+    got = jax.value_and_grad(lambda *a: loss(stand_in, *a), argnums=(0, 1))(x_ak, w_ekn)
+    want = jax.value_and_grad(lambda *a: loss(blockwise_gmm, *a), argnums=(0, 1))(x_ak, w_ekn)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert np.isfinite(np.asarray(g)).all()
         assert relative_error(np.asarray(g), np.asarray(w)) < TOL
 
 

@@ -127,7 +127,8 @@ def _gmm_fwd(x_ak, w_ekn, group_sizes_e, device, implementation):
 
 def _gmm_bwd(device, implementation, residuals, dy_an):
     """tokamax's own backward (two more kernel calls), traced with ``device`` as default;
-    the forward it re-traces is unused, and XLA drops it."""
+    the forward it re-traces is unused, and XLA drops it. The kernels leave rows past the
+    groups unwritten: those of dx are set to 0 (as the tile scan's are)."""
     x_ak, w_ekn, group_sizes_e = residuals
 
     def pull(x_ak, w_ekn, group_sizes_e, dy_an):
@@ -138,8 +139,14 @@ def _gmm_bwd(device, implementation, residuals, dy_an):
 
     dx_ak, dw_ekn = _unchecked(pull)(x_ak, w_ekn, group_sizes_e, dy_an)
     axes = _varying(x_ak)
-    return _vary(dx_ak, axes), _vary(dw_ekn, axes), \
-        np.zeros(group_sizes_e.shape, jax.dtypes.float0)
+    dx_ak = _in_groups(_vary(dx_ak, axes), group_sizes_e)
+    return dx_ak, _vary(dw_ekn, axes), np.zeros(group_sizes_e.shape, jax.dtypes.float0)
+
+
+def _in_groups(y_an: jax.Array, group_sizes_e: jax.Array) -> jax.Array:
+    """``y`` with its rows past ``sum(group_sizes)`` set to 0."""
+    in_groups_a = jnp.arange(y_an.shape[0]) < jnp.sum(group_sizes_e)
+    return jnp.where(in_groups_a[:, None], y_an, 0)
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
@@ -153,8 +160,7 @@ def tokamax_gmm(x_ak: jax.Array, w_ekn: jax.Array, group_sizes_e: jax.Array, *,
     axes = _varying(x_ak, w_ekn, group_sizes_e)
     x_ak, w_ekn, sizes_e = (_vary(a, axes) for a in (x_ak, w_ekn, group_sizes_e))
     y_an = _gmm(x_ak, w_ekn, sizes_e.astype(jnp.int32), device, tuple(implementation))
-    in_groups_a = jnp.arange(x_ak.shape[0]) < jnp.sum(group_sizes_e)
-    return jnp.where(in_groups_a[:, None], y_an, 0)
+    return _in_groups(y_an, sizes_e)
 
 
 _PROBES: dict[tuple, str | None] = {}
