@@ -33,8 +33,8 @@ from jax.sharding import PartitionSpec as P
 Implementation = tuple[str, ...]  # tokamax's kernels to try, in order
 IMPLEMENTATIONS: dict[str, Implementation] = {
     # Triton first (tokamax's own order is Mosaic GPU first): the same temporaries on the
-    # GPU compiler, but Mosaic GPU's compile time grows with the expert count (402 s
-    # against Triton's 25 s for 256 experts, docs/results/moe.md); Triton also runs on sm80
+    # GPU compiler, but Mosaic GPU's compile time grows with the expert count (160 s
+    # against Triton's 14 s for 256 experts, docs/results/moe.md); Triton also runs on sm80
     "tokamax": ("triton", "mosaic"),
     "tokamax_mosaic": ("mosaic",),
     "tokamax_triton": ("triton",),
