@@ -92,6 +92,11 @@ class ModelConfig:
     # "dropless": every assignment kept, experts as grouped matmuls (shardlib.models.grouped);
     # "capacity": GShard's per-sequence capacity with one-hot dispatch, dropping the overflow
     moe_dispatch: str = "dropless"
+    # the dropless experts' grouped matmul (shardlib.models.gmm): auto (ragged_dot on TPU;
+    # tokamax's Pallas kernel on GPU where it imports and compiles, else tile_scan) |
+    # tile_scan | ragged_dot | tokamax (Triton, else Mosaic GPU) | tokamax_triton (sm80+) |
+    # tokamax_mosaic (sm90+)
+    moe_gmm: str = "auto"
     # Architecture options (shardlib.interop.hf maps GPT-2 and Llama onto them); the
     # defaults are shardlib's own model: RMSNorm, plain GELU MLP, no biases, MHA.
     norm: str = "rms"  # "rms" (RMSNorm, Llama) or "layer" (LayerNorm, GPT-2)

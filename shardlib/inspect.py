@@ -35,6 +35,7 @@ from shardlib.config import Config, to_dict
 from shardlib.contract import Model
 from shardlib.errors import OutOfMemoryError
 from shardlib.mesh import capability_of, describe, platform_of
+from shardlib.models.gmm import resolve_gmm
 from shardlib.parallel import tensor
 from shardlib.target import Target, parse_target
 from shardlib.train.objective import explicit_fsdp_applies
@@ -217,6 +218,17 @@ def attention_kernel(setup: TrainSetup) -> str:
                            dtype=setup.policy.compute, capability=capability_of(setup.mesh))
 
 
+def grouped_matmul(setup: TrainSetup) -> str | None:
+    """What ``model.moe_gmm`` resolves to on the setup's platform, and why (a fallback to
+    the tile scan says its reason); None without dropless experts."""
+    model = setup.config.model
+    if not model.num_experts or model.moe_dispatch != "dropless":
+        return None
+    choice = resolve_gmm(model.moe_gmm, platform=platform_of(setup.mesh),
+                         device=setup.mesh.devices.flat[0], dtype=setup.policy.compute)
+    return f"{choice.name} ({choice.reason})"
+
+
 def gather_bytes(setup: TrainSetup) -> int:
     """Bytes per element FSDP's weights travel in: the compute dtype where the explicit
     step casts before gathering (GPU/TPU), the parameter dtype on XLA CPU (whose
@@ -322,6 +334,7 @@ def to_json(ins: Inspection) -> dict[str, Any]:
         "flops": ins.flops.to_dict(),
         "params": param_rows(setup),
         "attention_kernel": ins.attention, "kernels": ins.kernels.to_dict(),
+        "moe_grouped_matmul": grouped_matmul(setup),
         "target": None if ins.target is None else target_dict(ins.target, fits=ins.fits),
         # what each auto option chose, and why (model.scan_layers=auto: on every platform)
         "notes": [*setup.notes, *([setup.layers_note] if setup.layers_note else [])],
@@ -438,6 +451,9 @@ def accelerator_lines(ins: Inspection) -> list[str]:
     if ins.setup.config.precision.matmul == "fp8":
         lines.append(f"fp8 GEMMs in the compiled step: {k.fp8_gemms}"
                      + (" (XLA CPU emulates fp8: widened to f32)" if not k.fp8_gemms else ""))
+    if (gmm := grouped_matmul(ins.setup)) is not None:
+        lines.append(f"MoE grouped matmul: {gmm}; Pallas GPU kernels in the HLO: "
+                     f"{k.triton_calls} Triton, {k.mosaic_gpu_calls} Mosaic GPU")
     if ins.target is not None and ins.memory.peak_bytes is not None:
         verdict = "fits" if ins.fits else "does NOT fit"
         lines.append(f"{ins.target.name}: peak {format_bytes(ins.memory.peak_bytes)} of "

@@ -1,7 +1,8 @@
 """What a compiled step runs on its target, read from the compiled HLO: which attention
 kernel compiled (Mosaic custom calls for TPU splash attention, cuDNN's fused attention on
-GPU), how many collectives are asynchronous, i.e. can overlap with compute, and how many
-GEMMs take fp8 operands (``precision.matmul=fp8``).
+GPU), the Pallas GPU kernels (Triton, Mosaic GPU: tokamax's grouped matmul), how many
+collectives are asynchronous, i.e. can overlap with compute, and how many GEMMs take
+fp8 operands (``precision.matmul=fp8``).
 
 Asynchronous on GPU and TPU: a ``*-start`` / ``*-done`` pair, or (TPU) a collective the
 compiler placed in an ``async-collective-start`` fusion or tagged with an
@@ -22,6 +23,7 @@ CUDNN_ATTENTION = "__cudnn$fmha"  # cuDNN fused attention, forward and backward
 TRITON = "__gpu$xla.gpu.triton"  # Pallas kernels lowered through Triton
 CUBLASLT_FP8 = "__cublas$lt$matmul$f8"  # cuBLASLt's scaled fp8 matmul
 FP8_TYPES = ("f8e4m3fn", "f8e5m2")
+MOSAIC_GPU = "mosaic_gpu_v2"  # Pallas kernels lowered through Mosaic GPU (Hopper and newer)
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class KernelFacts:
     # dot instructions with an fp8 operand (on GPU inside Triton GEMM fusions) plus
     # cuBLASLt fp8 matmul calls; XLA CPU widens fp8 dots to f32, so 0 there
     fp8_gemms: int = 0
+    mosaic_gpu_calls: int = 0
 
     @property
     def async_fraction(self) -> float | None:
@@ -60,7 +63,8 @@ def kernel_facts(hlo_text: str) -> KernelFacts:
                 r'async_collective_name=|chain_id=', instr.attrs))
     return KernelFacts(total, asynchronous, hlo_text.count(f'"{MOSAIC}"'),
                        hlo_text.count(f'"{CUDNN_ATTENTION}'), hlo_text.count(f'"{TRITON}"'),
-                       fp8_dots(module) + hlo_text.count(f'"{CUBLASLT_FP8}"'))
+                       fp8_dots(module) + hlo_text.count(f'"{CUBLASLT_FP8}"'),
+                       hlo_text.count(f'"{MOSAIC_GPU}"'))
 
 
 def fp8_dots(module: HloModule) -> int:

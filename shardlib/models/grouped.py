@@ -9,13 +9,17 @@ whatever the expert count. The grouped matmul is chosen per target platform
 
 - ``tpu``: ``jax.lax.ragged_dot``, which the TPU compiler lowers to its native
   ``ragged-dot`` op (no temporaries beyond the output).
-- ``cpu`` and ``gpu``: ``blockwise_gmm``. XLA CPU and the GPU compiler of jax 0.10 expand
+- ``gpu``: tokamax's Pallas kernel (``models.gmm_tokamax``) where it imports and compiles
+  for the GPU, else ``blockwise_gmm``.
+- ``cpu``: ``blockwise_gmm``. XLA CPU and the GPU compiler of jax 0.10 expand
   ``ragged_dot`` densely (every row against every expert: memory ``O(n k E f)``), so here
   the sorted rows are cut into fixed blocks of ``block`` rows and a scan walks the
   (block, expert) *tiles*: a block whose rows belong to several experts is visited once per
   expert, each visit masked to that expert's rows, so a straddling block is exact. There
   are at most ``blocks + E - 1`` tiles (megablox's bound); one expert's weights are live
   at a time, and a custom backward accumulates the weight gradient in place.
+
+That is ``model.moe_gmm=auto``; ``models.gmm`` resolves it and the explicit choices.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from shardlib.models.gmm import active_gmm, resolve_gmm
+from shardlib.models.gmm_tokamax import IMPLEMENTATIONS, tokamax_gmm
+from shardlib.sharding import compute_device
 
 Activation = Callable[[jax.Array], jax.Array]
 
@@ -178,9 +186,17 @@ def ragged_gmm(x_ak: jax.Array, w_ekn: jax.Array, group_sizes_e: jax.Array) -> j
     return jnp.where(in_groups_a[:, None], y_an, 0)
 
 
-def grouped_gmm(platform: str) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
-    """The grouped matmul for ``platform``: ragged dot on TPU, blockwise elsewhere."""
-    return ragged_gmm if platform == "tpu" else blockwise_gmm
+def grouped_gmm(platform: str, dtype: jnp.dtype
+                ) -> Callable[[jax.Array, jax.Array, jax.Array], jax.Array]:
+    """The grouped matmul ``model.moe_gmm`` (``using_gmm``) means for ``platform`` and
+    ``dtype`` (``models.gmm``): ragged dot, tokamax's kernel or the tile scan."""
+    device = compute_device()
+    choice = resolve_gmm(active_gmm(), platform=platform, device=device, dtype=dtype)
+    if choice.name == "ragged_dot":
+        return ragged_gmm
+    if choice.name in IMPLEMENTATIONS:
+        return partial(tokamax_gmm, device=device, implementation=IMPLEMENTATIONS[choice.name])
+    return blockwise_gmm
 
 
 def grouped_mlp(x_ad: jax.Array, group_sizes_e: jax.Array, w_in_edf: jax.Array,
@@ -188,7 +204,7 @@ def grouped_mlp(x_ad: jax.Array, group_sizes_e: jax.Array, w_in_edf: jax.Array,
                 activation: Activation, platform: str) -> jax.Array:
     """Each sorted row through its expert's MLP: ``act(x w_in) w_out``, or gated
     ``(act(x w_gate) * (x w_in)) w_out``; rows past ``sum(group_sizes)`` give 0."""
-    gmm = grouped_gmm(platform)
+    gmm = grouped_gmm(platform, x_ad.dtype)
     h_af = gmm(x_ad, w_in_edf, group_sizes_e)
     if w_gate_edf is None:
         h_af = activation(h_af)

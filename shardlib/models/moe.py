@@ -35,6 +35,7 @@ from flax import nnx
 from shardlib import hooks
 from shardlib.config import ModelConfig
 from shardlib.errors import ConfigError
+from shardlib.models.gmm import check_gmm, using_gmm
 from shardlib.models.grouped import dropless_ffn
 from shardlib.models.layers import ACTIVATIONS, MLP, call_gathered, normal, param
 from shardlib.models.router import (
@@ -153,7 +154,7 @@ class MoEMLP(nnx.Module):
         self.route_scale, self.activation = cfg.moe_route_scale, cfg.activation
         self.gated, self.has_shared = cfg.mlp == "gated", cfg.moe_shared_d_ff > 0
         self.shared_gate, self.balanced = cfg.moe_shared_gate, cfg.moe_bias_rate > 0
-        self.dispatch = cfg.moe_dispatch
+        self.dispatch, self.gmm = cfg.moe_dispatch, cfg.moe_gmm
 
     def choose(self, x_btd: jax.Array) -> Choices:
         """Router logits in fp32, then each token's top-k experts and gates."""
@@ -189,9 +190,10 @@ class MoEMLP(nnx.Module):
     def dropless(self, x_btd: jax.Array) -> tuple[jax.Array, MoEStats]:
         """Every assignment through its expert (sorted, grouped matmuls, unsorted)."""
         choices = self.choose(x_btd)
-        out_btd = hooks.dropless_ffn(x_btd, choices.experts_btk, choices.gates_btk,
-                                     *self.experts(), activation=self.activation,
-                                     local=local_dropless)
+        with using_gmm(self.gmm):
+            out_btd = hooks.dropless_ffn(x_btd, choices.experts_btk, choices.gates_btk,
+                                         *self.experts(), activation=self.activation,
+                                         local=local_dropless)
         out_btd = constrain(out_btd, ("act_batch", "act_res_seq", "act_embed"))
         return self.add_shared(x_btd, out_btd), dropless_stats(choices)
 
@@ -314,6 +316,7 @@ def check_moe(cfg: ModelConfig, sizes: Mapping[str, int] | None = None) -> None:
     check_moe_layers(cfg)
     if cfg.moe_dispatch not in DISPATCHES:
         raise ConfigError(f"model.moe_dispatch={cfg.moe_dispatch!r}: use one of {DISPATCHES}")
+    check_gmm(cfg.moe_gmm)
     if not cfg.moe_capacity_factor > 0:
         raise ConfigError(f"model.moe_capacity_factor={cfg.moe_capacity_factor} must be > 0")
     if experts % ep:
