@@ -25,7 +25,12 @@ from rich.table import Table
 
 from shardlib.analysis.flops import FlopsReport, flops_report, xla_flops
 from shardlib.analysis.hlo import Collective, comm_bytes_per_device, parse_collectives
-from shardlib.analysis.kernels import KernelFacts, compiled_attention, kernel_facts
+from shardlib.analysis.kernels import (
+    KernelFacts,
+    compiled_attention,
+    grouped_matmul_choice,
+    kernel_facts,
+)
 from shardlib.analysis.memory import MemoryReport, memory_report, state_bytes
 from shardlib.analysis.peak import PeakTerms, peak_terms, resolved_kernel
 from shardlib.analysis.tables import rules_line, sharding_table
@@ -35,7 +40,6 @@ from shardlib.config import Config, to_dict
 from shardlib.contract import Model
 from shardlib.errors import OutOfMemoryError
 from shardlib.mesh import capability_of, describe, platform_of
-from shardlib.models.gmm import resolve_gmm
 from shardlib.parallel import tensor
 from shardlib.target import Target, parse_target
 from shardlib.train.objective import explicit_fsdp_applies
@@ -221,12 +225,8 @@ def attention_kernel(setup: TrainSetup) -> str:
 def grouped_matmul(setup: TrainSetup) -> str | None:
     """What ``model.moe_gmm`` resolves to on the setup's platform, and why (a fallback to
     the tile scan says its reason); None without dropless experts."""
-    model = setup.config.model
-    if not model.num_experts or model.moe_dispatch != "dropless":
-        return None
-    choice = resolve_gmm(model.moe_gmm, platform=platform_of(setup.mesh),
-                         device=setup.mesh.devices.flat[0], dtype=setup.policy.compute)
-    return f"{choice.name} ({choice.reason})"
+    return grouped_matmul_choice(setup.config.model, platform=platform_of(setup.mesh),
+                                 device=setup.mesh.devices.flat[0], dtype=setup.policy.compute)
 
 
 def gather_bytes(setup: TrainSetup) -> int:

@@ -2,7 +2,8 @@
 kernel compiled (Mosaic custom calls for TPU splash attention, cuDNN's fused attention on
 GPU), the Pallas GPU kernels (Triton, Mosaic GPU: tokamax's grouped matmul), how many
 collectives are asynchronous, i.e. can overlap with compute, and how many GEMMs take
-fp8 operands (``precision.matmul=fp8``).
+fp8 operands (``precision.matmul=fp8``); and which grouped matmul a dropless MoE resolves
+to on the target (``model.moe_gmm``).
 
 Asynchronous on GPU and TPU: a ``*-start`` / ``*-done`` pair, or (TPU) a collective the
 compiler placed in an ``async-collective-start`` fusion or tagged with an
@@ -15,8 +16,13 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from shardlib.analysis.hlo import KINDS, chain_leaders
 from shardlib.analysis.hlo_text import HloModule, parse_module
+from shardlib.config import ModelConfig
+from shardlib.models.gmm import resolve_gmm
 
 MOSAIC = "tpu_custom_call"  # Pallas kernels lowered through Mosaic (splash attention)
 CUDNN_ATTENTION = "__cudnn$fmha"  # cuDNN fused attention, forward and backward
@@ -88,3 +94,13 @@ def compiled_attention(chosen: str, facts: KernelFacts) -> str:
     if chosen == "cudnn":
         return "cudnn" if facts.cudnn_attention_calls else "cudnn (no cuDNN call found)"
     return chosen
+
+
+def grouped_matmul_choice(model: ModelConfig, *, platform: str, device: jax.Device,
+                          dtype: jnp.dtype) -> str | None:
+    """What ``model.moe_gmm`` resolves to for ``device``'s platform, with its reason (a
+    fallback to the tile scan says why); None for a model without dropless experts."""
+    if not model.num_experts or model.moe_dispatch != "dropless":
+        return None
+    choice = resolve_gmm(model.moe_gmm, platform=platform, device=device, dtype=dtype)
+    return f"{choice.name} ({choice.reason})"
