@@ -261,13 +261,13 @@ def _write_pairs(path, count: int = 16) -> None:
                                 "rejected": rejected}) + "\n")
 
 
-def _dpo_run(mesh: MeshConfig, path, lora: bool) -> tuple:
-    """(history, final trained params by path) of a 2-step DPO run on ``mesh``."""
+def _dpo_run(mesh: MeshConfig, path, lora: bool, objective: str = "dpo") -> tuple:
+    """(history, final trained params by path) of a 2-step DPO (or SimPO) run on ``mesh``."""
     from shardlib.run.loop import train
 
     config = tiny_config(mesh, steps=2)
     config = dataclasses.replace(
-        config, train=dataclasses.replace(config.train, data=str(path), objective="dpo",
+        config, train=dataclasses.replace(config.train, data=str(path), objective=objective,
                                           seq_len=16, log_every=1),
         optim=dataclasses.replace(config.optim, lr=1e-2),
         lora=LoRAConfig(rank=4, alpha=8.0) if lora else LoRAConfig())
