@@ -79,6 +79,10 @@ class Stage:
     head_loss: HeadLoss = lm_head_loss  # the last stage's loss over a microbatch
     head_metrics: tuple[str, ...] = ()  # the names of the metrics ``head_loss`` gives
     rows: Callable[[Microbatch], Microbatch] = same_rows  # the batch -> inputs, targets ...
+    # the staged loss reads ``ref_losses`` (b, T): the frozen base's per-token
+    # cross-entropy (the trained weights zeroed: LoRA's adapters off), run forward through
+    # the stages before the schedule (``train.pipeline.forward_losses``)
+    reference: bool = False
 
     def cast(self, params: nnx.State) -> nnx.State:
         """Parameters in the compute dtype (the gather hook casts when ``gathers``)."""
@@ -100,6 +104,13 @@ class Stage:
             if self.moe is None:
                 return scan_layers(model.blocks, x_btd, self.remat)
             return run_groups(model.blocks, x_btd, self.moe, remat)[0]
+
+    def token_losses(self, params: nnx.State, y_btd: jax.Array, mb: Microbatch) -> jax.Array:
+        """The head's per-token cross-entropy (b, T) in fp32 on the last stage's output
+        (vocab-parallel under TP, as in the backward's loss)."""
+        losses_bt = head_losses(self.model(params), y_btd, mb["targets"], self.policy.output,
+                                self.loss_chunks)
+        return losses_bt.astype(jnp.float32)
 
     def zero_parts(self, abstract_params: nnx.State, seq_len: int) -> Parts:
         """Zeros for the loss parts: ``loss`` and the router metrics an MoE model reports

@@ -193,8 +193,10 @@ def staged_loss(config: Config):
     def loss(losses_bt: jax.Array, mb: contract.Batch) -> tuple[jax.Array, contract.Metrics]:
         mask_bt = mb["mask"].astype(jnp.float32)
         logps = pairs(sequence_logps(-losses_bt.astype(jnp.float32) * mask_bt, mask_bt, mean))
+        ref_bt = (-mb["ref_losses"] * mask_bt if "ref_losses" in mb  # the base, in the stages
+                  else mb.get("ref_logps"))  # precomputed (DPO without LoRA)
         ref = None if mean else tuple(jax.lax.stop_gradient(x) for x in pairs(
-            sequence_logps(mb["ref_logps"].astype(jnp.float32), mask_bt)))
+            sequence_logps(ref_bt.astype(jnp.float32), mask_bt)))
         objective, metrics = pair_objective(config, logps, ref)
         return objective, {key: metrics[key] for key in METRICS}
 
@@ -205,7 +207,8 @@ def pipeline_stage(config: Config, graphdef: nnx.GraphDef, policy: precision.Pol
                    gathers: bool, keep: bool):
     """The GPT's stage stack with the preference objective as its staged loss."""
     stage = gpt_stage(config, graphdef, policy, gathers=gathers, keep=keep)
-    return replace(stage, head_loss=staged_loss(config), head_metrics=METRICS, rows=pair_rows)
+    return replace(stage, head_loss=staged_loss(config), head_metrics=METRICS, rows=pair_rows,
+                   reference=config.train.objective == "dpo" and config.lora.rank > 0)
 
 
 LOSSES: dict[str, Callable[[Config], contract.LossFn]] = {"dpo": dpo_loss, "simpo": simpo_loss}
@@ -219,11 +222,8 @@ def check(config: Config) -> None:
 
 
 def needs_reference(config: Config) -> bool:
-    """Whether the batch carries precomputed reference log-probs: DPO without LoRA, or on
-    pipeline stages (the last stage has no reference forward: the base with its adapters
-    off, the same before and during training, is run once before it)."""
-    return config.train.objective == "dpo" and (not config.lora.rank
-                                                or config.mesh.pipeline != 1)
+    """Whether the batch carries precomputed reference log-probs: DPO without LoRA."""
+    return config.train.objective == "dpo" and not config.lora.rank
 
 
 def check_run(gpt_check: contract.CheckFn | None):
@@ -238,6 +238,13 @@ def check_run(gpt_check: contract.CheckFn | None):
         sliced = [f"sequence={sizes['sequence']}"] if sizes.get("sequence", 1) > 1 else []
         if config.mesh.sequence_parallel:
             sliced.append("mesh.sequence_parallel")
+        if config.pipeline.virtual_stages > 1 and config.train.objective == "dpo" \
+                and config.lora.rank:
+            raise ConfigError(
+                f"train.objective=dpo, lora.rank={config.lora.rank} with pipeline."
+                f"virtual_stages={config.pipeline.virtual_stages}: the reference's forward "
+                "through the stages runs one chunk of layers per device; set "
+                "pipeline.virtual_stages=1")
         if sliced:
             raise ConfigError(
                 f"train.objective={config.train.objective} with pipeline={sizes['pipeline']} "
