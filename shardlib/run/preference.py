@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -24,8 +25,9 @@ from shardlib.data import preference as pairs
 from shardlib.data.arrays import to_global
 from shardlib.data.loader import pick_tokenizer
 from shardlib.interop.hf import load_params, pretrained_state
+from shardlib.models import preference as preference_model
 from shardlib.sharding import compiling_for
-from shardlib.train import objective
+from shardlib.train import objective, pipeline, pipeline_check
 from shardlib.train.setup import TrainSetup
 from shardlib.train.state import init_state
 
@@ -68,6 +70,8 @@ def token_logps_step(setup: TrainSetup):
     shardings = {k: _sharding_of(setup, k) for k in keys}
 
     def run(params: nnx.State, frozen: nnx.State | None, batch: dict) -> dict:
+        if pipeline_check.applies(setup.sizes):
+            return _staged_logps(setup, params, frozen, batch)
         with compiling_for(setup.mesh):
             cast = precision.cast_params(params, policy=setup.policy)
             metrics = objective.run_model_loss(ref_setup, setup.rules, cast, batch, frozen,
@@ -76,6 +80,18 @@ def token_logps_step(setup: TrainSetup):
 
     in_shardings = (setup.state_shardings.params, setup.state_shardings.model_state, shardings)
     return jax.jit(run, in_shardings=in_shardings), keys, shardings
+
+
+def _staged_logps(setup: TrainSetup, params: nnx.State, frozen: nnx.State | None,
+                  batch: dict) -> dict:
+    """``{side}_ref_logps`` through the pipeline's stages (``forward_token_losses``), the
+    training step's forward: the policy's at the first step to the bit."""
+    with compiling_for(setup.mesh):
+        losses_2bt = pipeline.forward_token_losses(setup, params, batch, frozen)
+    mask_2bt = preference_model.interleave(batch["chosen_mask"], batch["rejected_mask"])
+    logps_b2t = (-losses_2bt * mask_2bt.astype(jnp.float32)).reshape(
+        -1, 2, losses_2bt.shape[-1])
+    return {f"{side}_ref_logps": logps_b2t[:, i] for i, side in enumerate(pairs.SIDES)}
 
 
 def _sharding_of(setup: TrainSetup, key: str):

@@ -386,6 +386,40 @@ def forward_losses(stage: Stage, params: nnx.State, batch_mbt: Microbatch,
     return jax.lax.psum(out_mbt, AXIS)
 
 
+def forward_token_losses(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Array],
+                         frozen: nnx.State | None = None) -> jax.Array:
+    """The per-token cross-entropy (rows, T) of the model's rows of ``batch``
+    (``Stage.rows``) under ``params`` (and ``frozen``), forward only through the stages
+    (``forward_losses``) in the training step's microbatches, so that it is the training
+    forward's to the bit: a DPO reference computed before training through it gives
+    rewards of exactly 0 at the first step, as on one device."""
+    config, sizes = setup.config, setup.sizes
+    count, stage = resolve_microbatches(config, sizes), stage_stack(setup)
+    specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
+    frozen_specs = None if frozen is None else jax.tree.map(
+        lambda sh: sh.spec, setup.state_shardings.model_state)
+    whole_specs = specs if frozen is None else nnx.merge_state(specs, frozen_specs)
+
+    def local(params_shard: nnx.State, frozen_shard: nnx.State | None,
+              batch_shard: dict) -> jax.Array:
+        rows = with_positions(stage.rows(batch_shard), sizes)
+        batch_mbt = {key: _split(x_bt, count) for key, x_bt in rows.items()}
+        shape = act_shape(config, sizes, rows["inputs"].shape[0] // count)
+        whole = params_shard if frozen_shard is None else nnx.merge_state(params_shard,
+                                                                          frozen_shard)
+        with layer_strategies(config, sizes):
+            if sizes.get("fsdp", 1) > 1:
+                whole = fsdp.gather_params(whole, whole_specs)
+            out_mbt = forward_losses(stage, whole, batch_mbt, shape, setup.policy.compute,
+                                     sizes[AXIS])
+        return out_mbt.reshape(-1, out_mbt.shape[-1])  # (rows, T)
+
+    batch_spec = setup.batch_sharding.spec
+    return jax.shard_map(local, mesh=setup.mesh, check_vma=False,
+                         in_specs=(specs, frozen_specs, {key: batch_spec for key in batch}),
+                         out_specs=batch_spec)(params, frozen, batch)
+
+
 def stage_stack(setup: TrainSetup, *, gathers: bool = False, keep: bool = False) -> Stage:
     """The model's stage stack for this setup (its ``pipeline_stage``)."""
     make = setup.model.pipeline_stage
