@@ -2,7 +2,12 @@
 shard_map (``shardlib.train.pipeline``), declared as the model's ``pipeline_stage``.
 
 The embedding on the first stage, the stage's slice of the stacked layers, the final
-norm, head and loss on the last. ``Stage.backward`` recomputes the stage from its input
+norm, head and loss on the last: the loss over a microbatch is the model's staged loss
+(``Stage.head_loss``: the LM's mean cross-entropy, or a preference objective over the
+microbatch's pairs) from the head's per-token cross-entropies. The weights a stage reads
+may hold frozen ones (a LoRA model's base); the gradient accumulator holds the trained
+ones alone, and each gradient is cut to them (``contract.pick``) before it is added.
+``Stage.backward`` recomputes the stage from its input
 (GPipe's re-materialisation) and adds each layer's gradient into the stage's gradient
 accumulator inside the reverse layer scan, in place. Under ``pipeline.remat=keep``,
 ``Stage.kept_forward`` returns the forward's pullback residuals (a tape, weights left

@@ -27,7 +27,12 @@ Under interleaved 1F1B each device runs ``V`` chunks of layers (``pipeline_chunk
 them from the stored layout each step) and activations go round the devices ``V`` times.
 
 What a stage computes is the model's (``contract.Model.pipeline_stage``; the GPT's is
-``models.pipeline_stage``). Every other axis acts inside a stage as in the plain step:
+``models.pipeline_stage``), its loss included (``Stage.head_loss``, the last stage's, on a
+microbatch of the model's rows, ``Stage.rows``: a preference model's are its pairs'
+chosen and rejected rows side by side). A LoRA model's frozen base (the step's model
+state) travels beside the adapters, split over the stages like them, and is read only;
+a DPO reference that is the base runs forward through the stages before the schedule
+(``forward_losses``). Every other axis acts inside a stage as in the plain step:
 ``tensor`` runs Megatron TP/SP by hand (``parallel.tensor``, untyped: the step
 differentiates inside the map), ``sequence`` the local form of Ulysses or all-gather
 attention (``parallel.context``), each on this device's slice; an MoE stage adds its
@@ -73,6 +78,7 @@ from shardlib.train.pipeline_check import (
     batch_shards,
     resolve_microbatches,
 )
+from shardlib.train.pipeline_forward import forward_losses
 from shardlib.train.pipeline_schedule import BWD, FWD, IDLE, Schedule, build
 from shardlib.train.setup import TrainSetup
 
@@ -356,34 +362,6 @@ def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, 
                   PartitionSpec()),
         out_specs=(jax.tree.map(lambda _: PartitionSpec(), parts0), specs),
     )(params, frozen, batch, scale, jnp.asarray(table_tpc, jnp.int32))
-
-
-def forward_losses(stage: Stage, params: nnx.State, batch_mbt: Microbatch,
-                   act_shape: tuple[int, ...], dtype: jnp.dtype, stages: int) -> jax.Array:
-    """Inside shard_map: the per-token cross-entropy (M, b, T) of every microbatch under
-    ``params`` (one chunk of layers per device), forward only: GPipe's forward half, M + P
-    - 1 ticks, each stage's output sent one stage on; the last stage's head fills the
-    result, summed to every stage. No activation outlives its tick."""
-    count = jax.tree.leaves(batch_mbt)[0].shape[0]
-    me = jax.lax.axis_index(AXIS)
-    zeros_btd = jnp.zeros(act_shape, dtype)
-    zeros_bt = jnp.zeros(batch_mbt["targets"].shape[1:], jnp.float32)
-
-    def tick(carry: tuple, t: jax.Array) -> tuple[tuple, None]:
-        x_btd, out_mbt = carry
-        m = jnp.clip(t - me, 0, count - 1)
-        active = (t - me >= 0) & (t - me < count)
-        mb = {key: x_mbt[m] for key, x_mbt in batch_mbt.items()}
-        y_btd = jax.lax.cond(active, lambda: stage.forward(params, x_btd, mb, me == 0),
-                             lambda: zeros_btd)
-        losses_bt = jax.lax.cond(active & (me == stages - 1),
-                                 lambda: stage.token_losses(params, y_btd, mb), lambda: zeros_bt)
-        y_btd = jax.lax.ppermute(y_btd, AXIS, [(s, s + 1) for s in range(stages - 1)])
-        return (y_btd, out_mbt.at[m].add(losses_bt)), None
-
-    init = (zeros_btd, jnp.zeros((count, *zeros_bt.shape), jnp.float32))
-    (_, out_mbt), _ = jax.lax.scan(tick, init, jnp.arange(count + stages - 1))
-    return jax.lax.psum(out_mbt, AXIS)
 
 
 def forward_token_losses(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Array],
