@@ -25,7 +25,6 @@ from shardlib.data import preference as pairs
 from shardlib.data.arrays import to_global
 from shardlib.data.loader import pick_tokenizer
 from shardlib.interop.hf import load_params, pretrained_state
-from shardlib.models import preference as preference_model
 from shardlib.sharding import compiling_for
 from shardlib.train import objective, pipeline, pipeline_check
 from shardlib.train.setup import TrainSetup
@@ -88,9 +87,9 @@ def _staged_logps(setup: TrainSetup, params: nnx.State, frozen: nnx.State | None
     training step's forward: the policy's at the first step to the bit."""
     with compiling_for(setup.mesh):
         losses_2bt = pipeline.forward_token_losses(setup, params, batch, frozen)
-    mask_2bt = preference_model.interleave(batch["chosen_mask"], batch["rejected_mask"])
-    logps_b2t = (-losses_2bt * mask_2bt.astype(jnp.float32)).reshape(
-        -1, 2, losses_2bt.shape[-1])
+    mask_b2t = jnp.stack([batch[f"{side}_mask"] for side in pairs.SIDES], axis=1)
+    # the stages' rows are the pairs' sides side by side: row 2b chosen b, 2b + 1 rejected b
+    logps_b2t = -losses_2bt.reshape(mask_b2t.shape) * mask_b2t.astype(jnp.float32)
     return {f"{side}_ref_logps": logps_b2t[:, i] for i, side in enumerate(pairs.SIDES)}
 
 
