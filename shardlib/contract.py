@@ -152,6 +152,15 @@ def join_blocks(blocks: nnx.State, rest: nnx.State) -> nnx.State:
     return nnx.State({**rest.raw_mapping, "blocks": blocks.raw_mapping})
 
 
+def pick(tree: Any, like: Any) -> Any:
+    """The entries of ``tree`` at the paths of ``like``: a gradient over the whole weights,
+    a LoRA model's frozen base included, cut to the trained ones (XLA then drops the
+    frozen weights' gradients, left unused)."""
+    found = dict(jax.tree_util.tree_flatten_with_path(tree)[0])
+    paths, treedef = jax.tree_util.tree_flatten_with_path(like)
+    return jax.tree.unflatten(treedef, [found[path] for path, _ in paths])
+
+
 # --- the registry of built-in families ---------------------------------------------------
 
 _FAMILIES: dict[str, Callable[[Config], Model]] = {}

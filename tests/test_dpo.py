@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from shardlib import contract
 from shardlib.config import Config, DPOConfig, LoRAConfig, MeshConfig, TrainConfig
 from shardlib.config_check import check_ranges
 from shardlib.data import preference as pairs_lib
@@ -261,34 +262,86 @@ def _write_pairs(path, count: int = 16) -> None:
                                 "rejected": rejected}) + "\n")
 
 
-def _dpo_run(mesh: MeshConfig, path, lora: bool) -> tuple:
-    """(history, final trained params by path) of a 2-step DPO run on ``mesh``."""
+def _dpo_run(mesh: MeshConfig, path, lora: bool, objective: str = "dpo") -> tuple:
+    """(history, final trained params by path) of a 2-step DPO (or SimPO) run on ``mesh``;
+    pipeline stages stream as few microbatches as they have (the most pairs in each)."""
     from shardlib.run.loop import train
 
     config = tiny_config(mesh, steps=2)
     config = dataclasses.replace(
-        config, train=dataclasses.replace(config.train, data=str(path), objective="dpo",
+        config, train=dataclasses.replace(config.train, data=str(path), objective=objective,
                                           seq_len=16, log_every=1),
         optim=dataclasses.replace(config.optim, lr=1e-2),
-        lora=LoRAConfig(rank=4, alpha=8.0) if lora else LoRAConfig())
+        lora=LoRAConfig(rank=4, alpha=8.0) if lora else LoRAConfig(),
+        pipeline=dataclasses.replace(config.pipeline, microbatches=mesh.pipeline))
     result = train(config, devices=jax.devices()[:int(np.prod(list(mesh.degrees().values())))])
     params = {".".join(map(str, p)): np.asarray(v.get_value())
               for p, v in nnx.to_flat_state(result.state.params)}
     return result.history, params
 
 
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """``(lora, objective) -> (pairs path, one device's history and params)``, each run once
+    for the module's mesh tests."""
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    _write_pairs(path)
+    runs: dict[tuple, tuple] = {}
+
+    def get(lora: bool, objective: str = "dpo") -> tuple:
+        if (lora, objective) not in runs:
+            runs[lora, objective] = _dpo_run(MeshConfig(data=1), path, lora, objective)
+        return path, runs[lora, objective]
+
+    return get
+
+
+def _assert_trains_like_one_device(sharded: tuple, one: tuple, objective: str = "dpo") -> None:
+    (history, params), (one_history, one_params) = sharded, one
+    for key in ("loss", *preference.METRICS):
+        np.testing.assert_allclose([r[key] for r in history], [r[key] for r in one_history],
+                                   rtol=1e-5, atol=1e-6, err_msg=key)
+    if objective == "dpo":  # trained: the rewards start at 0 (policy = reference)
+        assert abs(one_history[0]["rewards_margins"]) < 1e-6 < abs(
+            one_history[-1]["rewards_margins"])
+    assert_tensors_close(params, one_params, 1e-5)
+
+
 @pytest.mark.parametrize("lora,mesh", [(True, MeshConfig(data=2, fsdp=2, tensor=2)),
                                        (False, MeshConfig(data=1, fsdp=8))])
-def test_sharded_dpo_trains_like_one_device(lora, mesh, tmp_path):
-    _write_pairs(tmp_path / "pairs.jsonl")
-    one, one_params = _dpo_run(MeshConfig(data=1), tmp_path / "pairs.jsonl", lora)
-    sharded, params = _dpo_run(mesh, tmp_path / "pairs.jsonl", lora)
-    for key in ("loss", "rewards_chosen", "rewards_rejected", "rewards_margins",
-                "rewards_accuracies"):
-        np.testing.assert_allclose([r[key] for r in sharded], [r[key] for r in one],
-                                   rtol=1e-5, atol=1e-6, err_msg=key)
-    assert abs(one[0]["rewards_margins"]) < 1e-6 < abs(one[-1]["rewards_margins"])  # trained
-    assert_tensors_close(params, one_params, 1e-5)
+def test_sharded_dpo_trains_like_one_device(lora, mesh, one_device):
+    path, one = one_device(lora)
+    _assert_trains_like_one_device(_dpo_run(mesh, path, lora), one)
+
+
+# DPO with LoRA: the reference is the base's forward through the stages. Each microbatch
+# holds 2 pairs: the step-1 gradient is beta/2 (grad logp_c - grad logp_r), whose sides
+# cancel (one prompt), and summed pair by pair (one device with train.grad_accum=8) it
+# moves w_v's adapter 1.4e-5 (relative) from the one-batch sum, as 1-pair microbatches do.
+@pytest.mark.parametrize("lora,objective,mesh", [
+    (True, "dpo", MeshConfig(pipeline=2, fsdp=2, data=1)),
+    (False, "simpo", MeshConfig(pipeline=2, tensor=2, data=1))])
+def test_pipeline_preference_trains_like_one_device(lora, objective, mesh, one_device):
+    path, one = one_device(lora, objective)
+    _assert_trains_like_one_device(_dpo_run(mesh, path, lora, objective), one, objective)
+
+
+def test_pipeline_refuses_what_its_stages_cannot_run():
+    from shardlib.train.state import build_setup
+
+    def setup(mesh: MeshConfig, objective: str = "dpo", **lora):
+        config = dataclasses.replace(tiny_config(mesh), lora=LoRAConfig(**lora))
+        config = dataclasses.replace(config, train=dataclasses.replace(
+            config.train, objective=objective, seq_len=16))
+        build_setup(config, jax.devices()[:8], model=contract.builtin(config, "preference"))
+
+    with pytest.raises(ConfigError, match=r"train.objective=simpo with pipeline=2 and "
+                                          r"sequence=2: the last stage sums each row"):
+        setup(MeshConfig(pipeline=2, sequence=2, data=2), "simpo")
+    with pytest.raises(ConfigError, match=r"lora.rank=4 with --mesh pipeline=2 and tensor=2"):
+        setup(MeshConfig(pipeline=2, tensor=2, data=2), rank=4)
+    with pytest.raises(ConfigError, match=r"lora.dropout=0.1 with --mesh pipeline=2"):
+        setup(MeshConfig(pipeline=2, data=4), rank=4, dropout=0.1)
 
 
 def test_bad_pairs_name_file_and_line(tmp_path):

@@ -2,7 +2,12 @@
 shard_map (``shardlib.train.pipeline``), declared as the model's ``pipeline_stage``.
 
 The embedding on the first stage, the stage's slice of the stacked layers, the final
-norm, head and loss on the last. ``Stage.backward`` recomputes the stage from its input
+norm, head and loss on the last: the loss over a microbatch is the model's staged loss
+(``Stage.head_loss``: the LM's mean cross-entropy, or a preference objective over the
+microbatch's pairs) from the head's per-token cross-entropies. The weights a stage reads
+may hold frozen ones (a LoRA model's base); the gradient accumulator holds the trained
+ones alone, and each gradient is cut to them (``contract.pick``) before it is added.
+``Stage.backward`` recomputes the stage from its input
 (GPipe's re-materialisation) and adds each layer's gradient into the stage's gradient
 accumulator inside the reverse layer scan, in place. Under ``pipeline.remat=keep``,
 ``Stage.kept_forward`` returns the forward's pullback residuals (a tape, weights left
@@ -28,7 +33,7 @@ from flax import nnx
 
 from shardlib import hooks, precision
 from shardlib.config import Config, ModelConfig
-from shardlib.contract import join_blocks, split_blocks
+from shardlib.contract import join_blocks, pick, split_blocks
 from shardlib.models.attention import packed_documents
 from shardlib.models.gpt import gather_outside_layers
 from shardlib.models.head import head_losses, token_mean
@@ -43,6 +48,20 @@ Parts = dict[str, jax.Array]  # scalar loss parts: "loss" and an MoE model's rou
 Tape = dict[str, Any]
 Layout = tuple[Any, tuple[tuple[str, Any], ...]]  # a detached pytree's static structure
 Layouts = tuple[Layout, Layout]  # the front's and one layer's
+# the last stage's loss over one microbatch, from its per-token cross-entropies (b, T):
+# (the objective, its metrics), each a mean over the microbatch's rows (the LM's:
+# ``lm_head_loss``; a preference loss's: ``models.preference.staged_loss``)
+HeadLoss = Callable[[jax.Array, Microbatch], tuple[jax.Array, Parts]]
+
+
+def lm_head_loss(losses_bt: jax.Array, mb: Microbatch) -> tuple[jax.Array, Parts]:
+    """The LM's staged loss: the mean token cross-entropy (times ``loss_weights``)."""
+    return token_mean(losses_bt, mb.get("loss_weights")).astype(jnp.float32), {}
+
+
+def same_rows(batch: Microbatch) -> Microbatch:
+    """The LM's batch as the stages read it: ``inputs``, ``targets`` as they are."""
+    return batch
 
 
 def documents(mb: Microbatch) -> contextlib.AbstractContextManager[None]:
@@ -62,6 +81,13 @@ class Stage:
     moe: ModelConfig | None = None  # an MoE model's config: its layers return router stats
     keep: bool = False  # pipeline.remat=keep: tapes outlive the tick, so no weights in them
     loss_chunks: int = 1  # model.loss_chunks: the head and loss over slices of the sequence
+    head_loss: HeadLoss = lm_head_loss  # the last stage's loss over a microbatch
+    head_metrics: tuple[str, ...] = ()  # the names of the metrics ``head_loss`` gives
+    rows: Callable[[Microbatch], Microbatch] = same_rows  # the batch -> inputs, targets ...
+    # the staged loss reads ``ref_losses`` (b, T): the frozen base's per-token
+    # cross-entropy (the trained weights zeroed: LoRA's adapters off), run forward through
+    # the stages before the schedule (``train.pipeline.forward_losses``)
+    reference: bool = False
 
     def cast(self, params: nnx.State) -> nnx.State:
         """Parameters in the compute dtype (the gather hook casts when ``gathers``)."""
@@ -84,10 +110,17 @@ class Stage:
                 return scan_layers(model.blocks, x_btd, self.remat)
             return run_groups(model.blocks, x_btd, self.moe, remat)[0]
 
+    def token_losses(self, params: nnx.State, y_btd: jax.Array, mb: Microbatch) -> jax.Array:
+        """The head's per-token cross-entropy (b, T) in fp32 on the last stage's output
+        (vocab-parallel under TP, as in the backward's loss)."""
+        losses_bt = head_losses(self.model(params), y_btd, mb["targets"], self.policy.output,
+                                self.loss_chunks)
+        return losses_bt.astype(jnp.float32)
+
     def zero_parts(self, abstract_params: nnx.State, seq_len: int) -> Parts:
         """Zeros for the loss parts: ``loss`` and the router metrics an MoE model reports
         (their names read from the model's own stats and ``moe_objective``)."""
-        parts = {"loss": jnp.zeros((), jnp.float32)}
+        parts = {key: jnp.zeros((), jnp.float32) for key in ("loss", *self.head_metrics)}
         if self.moe is None:
             return parts
         tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
@@ -218,15 +251,17 @@ class Stage:
         blocks_g, rest_g = split_blocks(grads)
         front_layout, layer_layout = layouts
 
-        def head_loss(r: nnx.State, y_btd: jax.Array) -> jax.Array:
-            def loss() -> jax.Array:
+        def head_loss(r: nnx.State, y_btd: jax.Array) -> tuple[jax.Array, Parts]:
+            def loss() -> tuple[jax.Array, Parts]:
                 losses_bt = head_losses(self._outside(params, r), y_btd, mb["targets"],
                                         self.policy.output, self.loss_chunks)  # vocab-parallel
-                weights_bt = mb.get("loss_weights")
-                return token_mean(losses_bt, weights_bt).astype(jnp.float32)
-            return jax.lax.cond(is_last, loss, lambda: jnp.zeros((), jnp.float32))
+                objective, metrics = self.head_loss(losses_bt, mb)
+                return objective.astype(jnp.float32), {
+                    key: metrics[key].astype(jnp.float32) for key in self.head_metrics}
+            zeros = {key: jnp.zeros((), jnp.float32) for key in self.head_metrics}
+            return jax.lax.cond(is_last, loss, lambda: (jnp.zeros((), jnp.float32), zeros))
 
-        loss, head_vjp = jax.vjp(head_loss, rest_w, tape["y"])
+        loss, head_vjp, head_parts = jax.vjp(head_loss, rest_w, tape["y"], has_aux=True)
         d_rest_head, dy_head_btd = head_vjp(dloss)
         (_, metrics), objective_vjp = jax.vjp(self.objective, tape["stats"])
         (dstats_l,) = objective_vjp((dloss, jax.tree.map(jnp.zeros_like, metrics)))
@@ -236,7 +271,8 @@ class Stage:
             index, kept, raw, dstats = inputs
             pullback = attach(layer_layout, kept, self.cast(raw))
             dx_btd, d_layer = pullback((dy_btd, dstats))
-            acc = jax.tree.map(lambda a, g: a.at[index].add(g.astype(a.dtype)), acc, d_layer)
+            acc = jax.tree.map(lambda a, g: a.at[index].add(g.astype(a.dtype)), acc,
+                               pick(d_layer, acc))
             return (dx_btd, acc), None
 
         count = jax.tree.leaves(blocks_p)[0].shape[0]
@@ -245,8 +281,8 @@ class Stage:
             (jnp.arange(count), tape["layers"], blocks_p, dstats_l), reverse=True)
         d_rest_front, dx_btd = attach(front_layout, tape["front"], rest_w)(dx0_btd)
         (d_rest,) = gather_vjp(jax.tree.map(jnp.add, d_rest_front, d_rest_head))
-        rest_g = jax.tree.map(lambda a, g: a + g.astype(a.dtype), rest_g, d_rest)
-        return dx_btd, join_blocks(blocks_g, rest_g), {"loss": loss, **metrics}
+        rest_g = jax.tree.map(lambda a, g: a + g.astype(a.dtype), rest_g, pick(d_rest, rest_g))
+        return dx_btd, join_blocks(blocks_g, rest_g), {"loss": loss, **metrics, **head_parts}
 
 
 def _kept_policy(prim: Any, *args: Any, **params: Any) -> bool:

@@ -28,11 +28,13 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from shardlib import contract, precision
 from shardlib.config import Config
 from shardlib.errors import ConfigError
 from shardlib.models.lm import gpt_model, head_losses
+from shardlib.models.pipeline_stage import pipeline_stage as gpt_stage
 from shardlib.sharding import compute_platform
 
 OBJECTIVES = ("dpo", "simpo")
@@ -42,9 +44,11 @@ PAIR_BATCH = {f"{side}_{part}": ("batch", "seq") for side in SIDES
 # the reference's per-token log-probs, computed once before training (DPO without LoRA):
 # (B, T) like the rest, so that every batch array splits alike
 REFERENCE_BATCH = {f"{side}_ref_logps": ("batch", "seq") for side in SIDES}
-# what the GPT declares that a preference loss does not carry: a pipeline's staged loss,
-# token-LM data and sampling
-DROPPED = frozenset({"pipeline", "tokens", "generate"})
+# what the GPT declares that a preference loss does not carry: token-LM data and sampling
+DROPPED = frozenset({"tokens", "generate"})
+# the metrics beside ``loss`` (TRL's, ``_`` for ``/``)
+METRICS = ("rewards_chosen", "rewards_rejected", "rewards_margins", "rewards_accuracies",
+           "logps_chosen", "logps_rejected")
 
 
 def token_logps(module: nnx.Module, inputs_bt: jax.Array, targets_bt: jax.Array,
@@ -126,34 +130,85 @@ def preference_metrics(loss_b: jax.Array, logps: tuple[jax.Array, jax.Array],
                   "logps_rejected": jnp.mean(jax.lax.stop_gradient(logps[1]))}
 
 
-def dpo_loss(config: Config) -> contract.LossFn:
-    """DPO's sigmoid loss, -log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r))); the
-    rewards are beta (pi - ref) (TRL's ``DPOTrainer``, ``loss_type="sigmoid"``)."""
-    beta = config.dpo.beta
+def pair_objective(config: Config, logps: tuple[jax.Array, jax.Array],
+                   ref: tuple[jax.Array, jax.Array] | None) -> tuple[jax.Array, contract.Metrics]:
+    """The objective's mean loss and metrics from the pairs' (chosen, rejected) sequence
+    log-probs (B,) and, for DPO, the reference's.
 
+    DPO's sigmoid loss, -log sigmoid(beta ((pi_c - ref_c) - (pi_r - ref_r))), rewards
+    beta (pi - ref) (TRL's ``DPOTrainer``, ``loss_type="sigmoid"``); SimPO's, -log
+    sigmoid(beta (avg_c - avg_r) - gamma) on length-normalised log-probs, no reference,
+    rewards beta avg (TRL's ``CPOTrainer``, ``loss_type="simpo"``, ``cpo_alpha=0``)."""
+    beta = config.dpo.beta
+    if config.train.objective == "simpo":
+        rewards = tuple(beta * x for x in logps)
+        margin = rewards[0] - rewards[1] - config.dpo.simpo_gamma
+    else:
+        rewards = tuple(beta * (pi - r) for pi, r in zip(logps, ref, strict=True))
+        margin = rewards[0] - rewards[1]
+    return preference_metrics(-jax.nn.log_sigmoid(margin), logps, rewards)
+
+
+def dpo_loss(config: Config) -> contract.LossFn:
+    """DPO (``pair_objective``) on a module, the reference its adapters-off self or the
+    batch's precomputed log-probs."""
     def loss(module: nnx.Module, batch: contract.Batch) -> tuple[jax.Array, contract.Metrics]:
         logps = pair_logps(module, batch, config)
-        ref = reference_pair_logps(module, batch, config)
-        rewards = tuple(beta * (pi - r) for pi, r in zip(logps, ref, strict=True))
-        loss_b = -jax.nn.log_sigmoid(rewards[0] - rewards[1])
-        return preference_metrics(loss_b, logps, rewards)
+        return pair_objective(config, logps, reference_pair_logps(module, batch, config))
 
     return loss
 
 
 def simpo_loss(config: Config) -> contract.LossFn:
-    """SimPO: -log sigmoid(beta (avg_c - avg_r) - gamma) on length-normalised log-probs,
-    no reference; rewards beta avg (TRL's ``CPOTrainer``, ``loss_type="simpo"``,
-    ``cpo_alpha=0``)."""
-    beta, gamma = config.dpo.beta, config.dpo.simpo_gamma
-
+    """SimPO (``pair_objective``) on a module: no reference."""
     def loss(module: nnx.Module, batch: contract.Batch) -> tuple[jax.Array, contract.Metrics]:
-        logps = pair_logps(module, batch, config, mean=True)
-        rewards = tuple(beta * x for x in logps)
-        loss_b = -jax.nn.log_sigmoid(rewards[0] - rewards[1] - gamma)
-        return preference_metrics(loss_b, logps, rewards)
+        return pair_objective(config, pair_logps(module, batch, config, mean=True), None)
 
     return loss
+
+
+# --- the pipeline's staged form: the last stage's loss over a microbatch of pair rows ----
+
+def pair_rows(batch: contract.Batch) -> contract.Batch:
+    """A pair batch as the pipeline's stages read it: ``inputs``, ``targets``, ``mask``
+    (and ``ref_logps``) with rows 2b / 2b + 1 chosen / rejected of pair b (``interleave``),
+    so that a microbatch of consecutive rows holds whole pairs."""
+    rows = {part: interleave(batch[f"chosen_{part}"], batch[f"rejected_{part}"])
+            for part in ("inputs", "targets", "mask")}
+    if "chosen_ref_logps" in batch:
+        rows["ref_logps"] = interleave(batch["chosen_ref_logps"], batch["rejected_ref_logps"])
+    return rows
+
+
+def staged_loss(config: Config):
+    """The objective as the last pipeline stage computes it (``Stage.head_loss``): from the
+    per-token cross-entropies (2b, T) of a microbatch of ``pair_rows``, (the mean loss,
+    its metrics) over its b pairs, the reference the precomputed ``ref_logps``."""
+    mean = config.train.objective == "simpo"
+
+    def pairs(x_2b: jax.Array) -> tuple[jax.Array, jax.Array]:
+        x_b2 = x_2b.reshape(-1, 2)
+        return x_b2[:, 0], x_b2[:, 1]
+
+    def loss(losses_bt: jax.Array, mb: contract.Batch) -> tuple[jax.Array, contract.Metrics]:
+        mask_bt = mb["mask"].astype(jnp.float32)
+        logps = pairs(sequence_logps(-losses_bt.astype(jnp.float32) * mask_bt, mask_bt, mean))
+        ref_bt = (-mb["ref_losses"] * mask_bt if "ref_losses" in mb  # the base, in the stages
+                  else mb.get("ref_logps"))  # precomputed (DPO without LoRA)
+        ref = None if mean else tuple(jax.lax.stop_gradient(x) for x in pairs(
+            sequence_logps(ref_bt.astype(jnp.float32), mask_bt)))
+        objective, metrics = pair_objective(config, logps, ref)
+        return objective, {key: metrics[key] for key in METRICS}
+
+    return loss
+
+
+def pipeline_stage(config: Config, graphdef: nnx.GraphDef, policy: precision.Policy, *,
+                   gathers: bool, keep: bool):
+    """The GPT's stage stack with the preference objective as its staged loss."""
+    stage = gpt_stage(config, graphdef, policy, gathers=gathers, keep=keep)
+    return replace(stage, head_loss=staged_loss(config), head_metrics=METRICS, rows=pair_rows,
+                   reference=config.train.objective == "dpo" and config.lora.rank > 0)
 
 
 LOSSES: dict[str, Callable[[Config], contract.LossFn]] = {"dpo": dpo_loss, "simpo": simpo_loss}
@@ -171,6 +226,35 @@ def needs_reference(config: Config) -> bool:
     return config.train.objective == "dpo" and not config.lora.rank
 
 
+def check_run(gpt_check: contract.CheckFn | None):
+    """The GPT's checks, and a refusal of pipeline stages that hold a slice of each row
+    (the staged loss sums a whole row's log-probs on one device)."""
+    def check(config: Config, mesh: Mesh) -> None:
+        if gpt_check is not None:
+            gpt_check(config, mesh)
+        sizes = dict(mesh.shape)
+        if sizes.get("pipeline", 1) == 1:
+            return
+        sliced = [f"sequence={sizes['sequence']}"] if sizes.get("sequence", 1) > 1 else []
+        if config.mesh.sequence_parallel:
+            sliced.append("mesh.sequence_parallel")
+        if config.pipeline.virtual_stages > 1 and config.train.objective == "dpo" \
+                and config.lora.rank:
+            raise ConfigError(
+                f"train.objective=dpo, lora.rank={config.lora.rank} with pipeline."
+                f"virtual_stages={config.pipeline.virtual_stages}: the reference's forward "
+                "through the stages runs one chunk of layers per device; set "
+                "pipeline.virtual_stages=1")
+        if sliced:
+            raise ConfigError(
+                f"train.objective={config.train.objective} with pipeline={sizes['pipeline']} "
+                f"and {', '.join(sliced)}: the last stage sums each row's log-probs on one "
+                "device, and there each holds a slice of every row; drop the sequence split "
+                "(pipeline with data / fsdp / tensor), or pipeline=1")
+
+    return check
+
+
 def preference_model(config: Config) -> contract.Model:
     """The built-in GPT of ``config.model`` trained on ``config.train.objective``'s loss
     over pairs (layout ``PAIR_BATCH``, plus ``REFERENCE_BATCH`` for DPO without LoRA)."""
@@ -178,18 +262,20 @@ def preference_model(config: Config) -> contract.Model:
     gpt = gpt_model(config)
     layout = PAIR_BATCH | (REFERENCE_BATCH if needs_reference(config) else {})
     return replace(gpt, loss=LOSSES[config.train.objective](config), batch=layout,
-                   capabilities=gpt.capabilities - DROPPED,
-                   name=f"{gpt.name}+{config.train.objective}")
+                   capabilities=gpt.capabilities - DROPPED, check=check_run(gpt.check),
+                   pipeline_stage=pipeline_stage, name=f"{gpt.name}+{config.train.objective}")
 
 
 def reference_model(config: Config) -> contract.Model:
     """The built-in GPT of ``config.model`` whose "loss" is the pairs' per-token log-probs
     (a zero objective; metrics ``{side}_ref_logps`` (B, T)): the one pass before a DPO run
-    without LoRA that gives the starting model's reference log-probs."""
+    without LoRA (or on pipeline stages) that gives the reference log-probs: the starting
+    model's, with LoRA the base's (its adapters off)."""
     gpt = gpt_model(config)
 
     def loss(module: nnx.Module, batch: contract.Batch) -> tuple[jax.Array, contract.Metrics]:
-        logps = pair_token_logps(module, batch, config)
+        base = adapters_off(module)
+        logps = pair_token_logps(module if base is None else base, batch, config)
         return jnp.zeros(()), {f"{side}_ref_logps": logps_bt
                                for side, logps_bt in zip(SIDES, logps, strict=True)}
 

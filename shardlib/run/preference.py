@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -23,9 +24,9 @@ from shardlib.contract import Model
 from shardlib.data import preference as pairs
 from shardlib.data.arrays import to_global
 from shardlib.data.loader import pick_tokenizer
-from shardlib.interop.hf import load_params
+from shardlib.interop.hf import load_params, pretrained_state
 from shardlib.sharding import compiling_for
-from shardlib.train import objective
+from shardlib.train import objective, pipeline, pipeline_check
 from shardlib.train.setup import TrainSetup
 from shardlib.train.state import init_state
 
@@ -38,13 +39,19 @@ def model_and_data(config: Config) -> tuple[Model, pairs.PreferenceData]:
     return model, data
 
 
-def starting_params(setup: TrainSetup) -> nnx.State:
-    """The parameters the run starts from: ``train.init_from``'s, else the seeded init."""
+def starting_params(setup: TrainSetup) -> tuple[nnx.State, nnx.State | None]:
+    """(the parameters the run starts from: ``train.init_from``'s, else the seeded init;
+    a LoRA model's frozen base, else None). With LoRA the reference is the base alone
+    (adapters off), which no step changes: the same before training as after a resume."""
     config = setup.config
+    if config.lora.rank:
+        state = (pretrained_state(setup, config.train.init_from) if config.train.init_from
+                 else init_state(setup, config.train.seed))
+        return state.params, state.model_state
     if config.train.init_from:
         return load_params(config.train.init_from, config.model, setup.abstract_params,
-                           setup.state_shardings.params, dtype=setup.policy.param)
-    return init_state(setup, config.train.seed).params
+                           setup.state_shardings.params, dtype=setup.policy.param), None
+    return init_state(setup, config.train.seed).params, None
 
 
 def needs_reference(model: Model) -> bool:
@@ -54,19 +61,36 @@ def needs_reference(model: Model) -> bool:
 
 
 def token_logps_step(setup: TrainSetup):
-    """A jitted ``(params, batch) -> {side}_ref_logps`` (B, T) of the pairs under
-    ``params``, through XLA's partitioner on the setup's mesh."""
+    """A jitted ``(params, frozen, batch) -> {side}_ref_logps`` (B, T) of the pairs under
+    ``params`` (and a LoRA model's frozen base ``frozen``, its adapters then off), through
+    XLA's partitioner on the setup's mesh."""
     ref_setup = replace(setup, model=contract.builtin(setup.config, "preference-reference"))
     keys = list(ref_setup.model.batch)
     shardings = {k: _sharding_of(setup, k) for k in keys}
 
-    def run(params: nnx.State, batch: dict) -> dict:
+    def run(params: nnx.State, frozen: nnx.State | None, batch: dict) -> dict:
+        if pipeline_check.applies(setup.sizes):
+            return _staged_logps(setup, params, frozen, batch)
         with compiling_for(setup.mesh):
             cast = precision.cast_params(params, policy=setup.policy)
-            metrics = objective.model_loss(ref_setup, setup.rules, cast, batch)[1]
+            metrics = objective.run_model_loss(ref_setup, setup.rules, cast, batch, frozen,
+                                               training=False)[1]
         return {k: v for k, v in metrics.items() if k.endswith("_ref_logps")}
 
-    return jax.jit(run, in_shardings=(setup.state_shardings.params, shardings)), keys, shardings
+    in_shardings = (setup.state_shardings.params, setup.state_shardings.model_state, shardings)
+    return jax.jit(run, in_shardings=in_shardings), keys, shardings
+
+
+def _staged_logps(setup: TrainSetup, params: nnx.State, frozen: nnx.State | None,
+                  batch: dict) -> dict:
+    """``{side}_ref_logps`` through the pipeline's stages (``forward_token_losses``), the
+    training step's forward: the policy's at the first step to the bit."""
+    with compiling_for(setup.mesh):
+        losses_2bt = pipeline.forward_token_losses(setup, params, batch, frozen)
+    mask_b2t = jnp.stack([batch[f"{side}_mask"] for side in pairs.SIDES], axis=1)
+    # the stages' rows are the pairs' sides side by side: row 2b chosen b, 2b + 1 rejected b
+    logps_b2t = -losses_2bt.reshape(mask_b2t.shape) * mask_b2t.astype(jnp.float32)
+    return {f"{side}_ref_logps": logps_b2t[:, i] for i, side in enumerate(pairs.SIDES)}
 
 
 def _sharding_of(setup: TrainSetup, key: str):
@@ -77,7 +101,7 @@ def _sharding_of(setup: TrainSetup, key: str):
 def attach_reference(setup: TrainSetup, data: pairs.PreferenceData) -> None:
     """Add ``{side}_ref_logps`` (pairs, seq_len) to ``data``: the starting model's per-token
     log-probs of every pair, in batches of ``train.batch_size`` (the last one padded)."""
-    params = starting_params(setup)
+    params, frozen = starting_params(setup)
     step, keys, shardings = token_logps_step(setup)
     size, rows = data.size, setup.config.train.batch_size
     out: dict[str, list[np.ndarray]] = {}
@@ -86,10 +110,10 @@ def attach_reference(setup: TrainSetup, data: pairs.PreferenceData) -> None:
         got = len(batch[keys[0]])
         batch = {k: np.concatenate([v, np.repeat(v[-1:], rows - got, 0)]) for k, v in
                  batch.items() if k in keys}
-        logps = jax.device_get(step(params, to_global(batch, shardings, keys)))
+        logps = jax.device_get(step(params, frozen, to_global(batch, shardings, keys)))
         for k, v in logps.items():
             out.setdefault(k, []).append(np.asarray(v, np.float32)[:got])
-    del params
+    del params, frozen
     for k, v in out.items():
         data.add(k, np.concatenate(v))
 

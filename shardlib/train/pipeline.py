@@ -27,7 +27,12 @@ Under interleaved 1F1B each device runs ``V`` chunks of layers (``pipeline_chunk
 them from the stored layout each step) and activations go round the devices ``V`` times.
 
 What a stage computes is the model's (``contract.Model.pipeline_stage``; the GPT's is
-``models.pipeline_stage``). Every other axis acts inside a stage as in the plain step:
+``models.pipeline_stage``), its loss included (``Stage.head_loss``, the last stage's, on a
+microbatch of the model's rows, ``Stage.rows``: a preference model's are its pairs'
+chosen and rejected rows side by side). A LoRA model's frozen base (the step's model
+state) travels beside the adapters, split over the stages like them, and is read only;
+a DPO reference that is the base runs forward through the stages before the schedule
+(``forward_losses``). Every other axis acts inside a stage as in the plain step:
 ``tensor`` runs Megatron TP/SP by hand (``parallel.tensor``, untyped: the step
 differentiates inside the map), ``sequence`` the local form of Ulysses or all-gather
 attention (``parallel.context``), each on this device's slice; an MoE stage adds its
@@ -61,6 +66,7 @@ from jax.sharding import PartitionSpec
 
 from shardlib import hooks, precision
 from shardlib.config import Config
+from shardlib.contract import pick
 from shardlib.errors import ConfigError
 from shardlib.parallel import context, fsdp, moe_manual, tensor
 from shardlib.train import pipeline_chunks
@@ -72,6 +78,7 @@ from shardlib.train.pipeline_check import (
     batch_shards,
     resolve_microbatches,
 )
+from shardlib.train.pipeline_forward import forward_losses
 from shardlib.train.pipeline_schedule import BWD, FWD, IDLE, Schedule, build
 from shardlib.train.setup import TrainSetup
 
@@ -104,16 +111,19 @@ def run_if(pred: jax.Array, body: Callable[[tuple], tuple], carry: tuple) -> tup
 
 def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params: nnx.State,
                  batch_mbt: Microbatch, dloss: jax.Array, act_shape: tuple[int, ...],
-                 dtype: jnp.dtype, parts: Parts) -> tuple[Parts, nnx.State]:
+                 dtype: jnp.dtype, parts: Parts, trained: nnx.State | None = None
+                 ) -> tuple[Parts, nnx.State]:
     """Inside shard_map: run the tick table; return (this stage's loss parts summed over
     its microbatches, starting from the zeros ``parts``; its parameter gradients for
-    cotangent ``dloss`` per microbatch objective).
+    cotangent ``dloss`` per microbatch objective: of the part of ``params`` at the paths
+    of ``trained``, default all of it; the rest, a LoRA model's frozen base, is read only).
     ``schedule`` gives the shapes (stages, slots, chunks), whether B and W are split and
     whether forwards keep their residuals (``kept``), ``table_tpc`` the operations;
     ``batch_mbt`` holds every key of the batch split into microbatches, and ``act_shape``
     is the (b, T, D) of an activation passed between stages."""
     p, v = schedule.stages, schedule.virtual
     params = pipeline_chunks.deal(params, p, v, AXIS)  # chunk c: model stage c P + me
+    grads0 = jax.tree.map(jnp.zeros_like, params if trained is None else pick(params, trained))
     zeros_btd = jnp.zeros(act_shape, dtype)
     tapes, layouts = {}, None
     if schedule.kept:
@@ -122,8 +132,7 @@ def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params:
                                             zeros_btd, mb0, schedule.tape_slots)
     tick = _tick(stage, schedule, params, batch_mbt, dloss, zeros_btd, layouts)
     init = (jnp.zeros((schedule.act_slots + 1, *act_shape), dtype),  # + scratch slot
-            jnp.zeros((schedule.grad_slots + 1, *act_shape), dtype), tapes,
-            jax.tree.map(jnp.zeros_like, params), parts)
+            jnp.zeros((schedule.grad_slots + 1, *act_shape), dtype), tapes, grads0, parts)
     (_, _, _, grads, parts), _ = jax.lax.scan(tick, init, table_tpc)
     return parts, pipeline_chunks.deal(grads, p, v, AXIS, inverse=True)
 
@@ -289,11 +298,15 @@ def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Ar
 
 def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Array],
                          scale: jax.Array, schedule: Schedule | None = None,
-                         table_tpc: jax.Array | None = None) -> tuple[Parts, nnx.State]:
-    """``loss_and_grads`` with every loss part: the mean cross-entropy ``loss`` and, for
-    an MoE model, the router metrics (``moe_aux_loss`` ...), each summed over the stages
-    (a stage reports its layers' share) and averaged over the batch. The gradients are
-    those of the objective: cross-entropy plus the weighted router losses."""
+                         table_tpc: jax.Array | None = None, frozen: nnx.State | None = None
+                         ) -> tuple[Parts, nnx.State]:
+    """``loss_and_grads`` with every loss part: the mean cross-entropy ``loss`` (or the
+    model's staged loss, ``Stage.head_loss``, and its metrics) and, for an MoE model, the
+    router metrics (``moe_aux_loss`` ...), each summed over the stages (a stage reports
+    its layers' share) and averaged over the batch. The gradients are those of the
+    objective: cross-entropy plus the weighted router losses. ``frozen``: the model's
+    weights that are read but not trained (a LoRA model's base, laid out as the
+    parameters, layers split over the stages), or None."""
     config, sizes = setup.config, setup.sizes
     schedule = schedule or build(config.pipeline.schedule, sizes[AXIS],
                                  resolve_microbatches(config, sizes),
@@ -309,22 +322,34 @@ def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, 
                                   lambda x: precision.cast_params(x, policy=setup.policy))
     parts0 = zero_parts(setup)
 
-    def local(params_shard: nnx.State, batch_shard: dict, scale: jax.Array,
-              table_tpc: jax.Array) -> tuple:
+    frozen_specs = None if frozen is None else jax.tree.map(
+        lambda sh: sh.spec, setup.state_shardings.model_state)
+    whole_specs = specs if frozen is None else nnx.merge_state(specs, frozen_specs)
+
+    def local(params_shard: nnx.State, frozen_shard: nnx.State | None, batch_shard: dict,
+              scale: jax.Array, table_tpc: jax.Array) -> tuple:
         dloss = scale.astype(jnp.float32) / (count * shards)
-        batch_mbt = {key: _split(x_bt, count)
-                     for key, x_bt in with_positions(batch_shard, sizes).items()}
-        shape = act_shape(config, sizes, batch_shard["inputs"].shape[0] // count)
+        rows = with_positions(stage.rows(batch_shard), sizes)
+        batch_mbt = {key: _split(x_bt, count) for key, x_bt in rows.items()}
+        shape = act_shape(config, sizes, rows["inputs"].shape[0] // count)
+        trained = None if frozen_shard is None else params_shard
+        whole = params_shard if frozen_shard is None else nnx.merge_state(params_shard,
+                                                                          frozen_shard)
         run = lambda p: run_schedule(stage, schedule, table_tpc, p, batch_mbt,  # noqa: E731
-                                     dloss, shape, setup.policy.compute, parts0)
+                                     dloss, shape, setup.policy.compute, parts0, trained)
         with layer_strategies(config, sizes), contextlib.ExitStack() as stack:
             if per_layer:  # each tick gathers layer by layer; grads come back scattered
                 stack.enter_context(hooks.gathering_weights(gather,
                                                             reshard_after_forward=True))
             else:
-                params_shard = (fsdp.gather_params(params_shard, specs)
-                                if sizes.get("fsdp", 1) > 1 else params_shard)
-            parts, grads = run(params_shard)
+                whole = (fsdp.gather_params(whole, whole_specs)
+                         if sizes.get("fsdp", 1) > 1 else whole)
+            if stage.reference and frozen_shard is not None:  # the base: trained part zeroed
+                base = nnx.merge_state(jax.tree.map(jnp.zeros_like, pick(whole, trained)),
+                                       pick(whole, frozen_shard))
+                batch_mbt["ref_losses"] = jax.lax.stop_gradient(forward_losses(
+                    stage, base, batch_mbt, shape, setup.policy.compute, sizes[AXIS]))
+            parts, grads = run(whole)
         grads = reduce_grads(grads, specs, sizes, scattered=per_layer,
                              partial=partial_axes(config, sizes))
         unscale = lambda g: (g / scale.astype(g.dtype)).astype(g.dtype)
@@ -334,9 +359,44 @@ def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, 
     batch_spec = setup.batch_sharding.spec
     return jax.shard_map(
         local, mesh=setup.mesh, check_vma=False,
-        in_specs=(specs, {key: batch_spec for key in batch}, PartitionSpec(), PartitionSpec()),
+        in_specs=(specs, frozen_specs, {key: batch_spec for key in batch}, PartitionSpec(),
+                  PartitionSpec()),
         out_specs=(jax.tree.map(lambda _: PartitionSpec(), parts0), specs),
-    )(params, batch, scale, jnp.asarray(table_tpc, jnp.int32))
+    )(params, frozen, batch, scale, jnp.asarray(table_tpc, jnp.int32))
+
+
+def forward_token_losses(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Array],
+                         frozen: nnx.State | None = None) -> jax.Array:
+    """The per-token cross-entropy (rows, T) of the model's rows of ``batch``
+    (``Stage.rows``) under ``params`` (and ``frozen``), forward only through the stages
+    (``forward_losses``) in the training step's microbatches, so that it is the training
+    forward's to the bit: a DPO reference computed before training through it gives
+    rewards of exactly 0 at the first step, as on one device."""
+    config, sizes = setup.config, setup.sizes
+    count, stage = resolve_microbatches(config, sizes), stage_stack(setup)
+    specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
+    frozen_specs = None if frozen is None else jax.tree.map(
+        lambda sh: sh.spec, setup.state_shardings.model_state)
+    whole_specs = specs if frozen is None else nnx.merge_state(specs, frozen_specs)
+
+    def local(params_shard: nnx.State, frozen_shard: nnx.State | None,
+              batch_shard: dict) -> jax.Array:
+        rows = with_positions(stage.rows(batch_shard), sizes)
+        batch_mbt = {key: _split(x_bt, count) for key, x_bt in rows.items()}
+        shape = act_shape(config, sizes, rows["inputs"].shape[0] // count)
+        whole = params_shard if frozen_shard is None else nnx.merge_state(params_shard,
+                                                                          frozen_shard)
+        with layer_strategies(config, sizes):
+            if sizes.get("fsdp", 1) > 1:
+                whole = fsdp.gather_params(whole, whole_specs)
+            out_mbt = forward_losses(stage, whole, batch_mbt, shape, setup.policy.compute,
+                                     sizes[AXIS])
+        return out_mbt.reshape(-1, out_mbt.shape[-1])  # (rows, T)
+
+    batch_spec = setup.batch_sharding.spec
+    return jax.shard_map(local, mesh=setup.mesh, check_vma=False,
+                         in_specs=(specs, frozen_specs, {key: batch_spec for key in batch}),
+                         out_specs=batch_spec)(params, frozen, batch)
 
 
 def stage_stack(setup: TrainSetup, *, gathers: bool = False, keep: bool = False) -> Stage:

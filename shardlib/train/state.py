@@ -202,12 +202,31 @@ def check_capabilities(config: Config, sizes: dict[str, int], model: Model) -> N
              (config.mesh.sequence_parallel, "megatron", "mesh.sequence_parallel=true"),
              (bool(config.train.init_from), "hf", f"--init-from {config.train.init_from}")]
     if config.lora.rank and sizes.get("pipeline", 1) > 1:
-        raise ConfigError(f"lora.rank={config.lora.rank} with --mesh pipeline="
-                          f"{sizes['pipeline']}: pipeline stages do not carry the frozen "
-                          "base weights yet; use data / fsdp / tensor axes, or lora.rank=0")
+        check_pipeline_lora(config, sizes)
     for needed, capability, option in needs:
         if needed:
             model.require(capability, option)
+
+
+def check_pipeline_lora(config: Config, sizes: dict[str, int]) -> None:
+    """The stages carry a LoRA model's frozen base beside its adapters, but not what a
+    stage would need beyond that: adapter gradients summed over ``tensor``, a dropout key
+    per microbatch, quantized bases."""
+    lc, stages = config.lora, sizes["pipeline"]
+    if sizes.get("tensor", 1) > 1:
+        raise ConfigError(f"lora.rank={lc.rank} with --mesh pipeline={stages} and tensor="
+                          f"{sizes['tensor']}: inside the stages an adapter factor that "
+                          "every tensor device holds whole would get a partial gradient "
+                          "(nothing sums it over tensor yet); use pipeline with data / fsdp, "
+                          "or lora.rank=0")
+    if lc.dropout:
+        raise ConfigError(f"lora.dropout={lc.dropout} with --mesh pipeline={stages}: the "
+                          "stages draw no dropout keys; set lora.dropout=0, or use data / "
+                          "fsdp / tensor axes")
+    if lc.base_quant != "none":
+        raise ConfigError(f"lora.base_quant={lc.base_quant} with --mesh pipeline={stages}: "
+                          "quantized bases are not staged (QLoRA); set lora.base_quant=none, "
+                          "or use data / fsdp / tensor axes")
 
 
 def check_builtin(config: Config, sizes: dict[str, int]) -> None:

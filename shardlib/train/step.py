@@ -65,7 +65,8 @@ def loss_grads_and_state(setup: TrainSetup, params: nnx.State, batch: Batch,
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
     pin = lambda g: jax.lax.with_sharding_constraint(g, setup.grad_shardings)
     if pipeline_check.applies(setup.sizes):  # GPipe / 1F1B over `pipeline` (train.pipeline)
-        parts, grads = pipeline_loss_and_grads(setup, params, batch, scale, count)
+        parts, grads = pipeline_loss_and_grads(setup, params, batch, scale, count,
+                                               model_state)  # LoRA: the frozen base
         return parts["loss"], pin(grads), parts, model_state
     if count == 1:
         (loss, (metrics, model_state)), grads = grad_fn(params, batch, model_state)
@@ -92,16 +93,19 @@ def loss_grads_and_state(setup: TrainSetup, params: nnx.State, batch: Batch,
 
 
 def pipeline_loss_and_grads(setup: TrainSetup, params: nnx.State, batch: Batch,
-                            scale: jax.Array, count: int) -> tuple[Metrics, nnx.State]:
+                            scale: jax.Array, count: int, frozen: nnx.State | None = None
+                            ) -> tuple[Metrics, nnx.State]:
     """``pipeline.loss_parts_and_grads`` over ``count`` (``train.grad_accum``) slices of
     the batch, one after another (``lax.scan``): each slice runs the whole schedule, so a
-    stage holds one slice's activations; the means over slices are averaged."""
+    stage holds one slice's activations; the means over slices are averaged. ``frozen``:
+    weights read but not trained (a LoRA model's base)."""
     if count == 1:
-        return pipeline.loss_parts_and_grads(setup, params, batch, scale)
+        return pipeline.loss_parts_and_grads(setup, params, batch, scale, frozen=frozen)
     pin = lambda g: jax.lax.with_sharding_constraint(g, setup.grad_shardings)  # noqa: E731
 
     def accumulate(carry: tuple, chunk: Batch) -> tuple[tuple, None]:
-        parts, grads = pipeline.loss_parts_and_grads(setup, params, chunk, scale)
+        parts, grads = pipeline.loss_parts_and_grads(setup, params, chunk, scale,
+                                                     frozen=frozen)
         return jax.tree.map(jnp.add, carry, (parts, pin(grads))), None
 
     init = (pipeline.zero_parts(setup), pin(jax.tree.map(jnp.zeros_like, params)))
