@@ -41,6 +41,7 @@ from shardlib.contract import Model
 from shardlib.errors import ConfigError
 from shardlib.models import quant
 from shardlib.models.layers import OwnProjection, linear
+from shardlib.sharding import constrain_weight
 
 STACK_DIMS = ("layers", "expert")  # leading dims an adapter keeps (one adapter per layer)
 BASE = "base"  # the attribute an ``Adapted`` keeps the frozen weight under
@@ -115,10 +116,17 @@ class Adapted(OwnProjection):
     def delta(self) -> jax.Array:
         """s A B, the adapter's change to the weight, in the weight's shape (inside a layer
         scan, one layer's: the stacking dims are whatever A has beyond its in dims)."""
-        a, b = self.lora_a[...], self.lora_b[...]
+        a, b = self.gathered_adapter()
         lead = "abcdef"[:a.ndim - 1 - self.ins]
         ins, outs = "ghijkl"[:self.ins], "mnopqs"[:b.ndim - len(lead) - 1]
         return jnp.einsum(f"{lead}{ins}r,{lead}r{outs}->{lead}{ins}{outs}", a, b) * self.scale
+
+    def gathered_adapter(self) -> tuple[jax.Array, jax.Array]:
+        """A and B in their compute layout (FSDP's split gathered: they are small), so that
+        s A B is whole where W is, and W + s A B needs no gather of a weight-sized array
+        (a quantized W is gathered as codes, ``quant.Quantized``)."""
+        return (constrain_weight(self.lora_a[...], self.lora_a.get_metadata()["logical"]),
+                constrain_weight(self.lora_b[...], self.lora_b.get_metadata()["logical"]))
 
     def merged(self) -> jax.Array:
         """W + s A B in W's dtype."""
