@@ -41,7 +41,6 @@ from shardlib.contract import Model
 from shardlib.errors import ConfigError
 from shardlib.models import quant
 from shardlib.models.layers import OwnProjection, linear
-from shardlib.sharding import constrain_weight
 
 STACK_DIMS = ("layers", "expert")  # leading dims an adapter keeps (one adapter per layer)
 BASE = "base"  # the attribute an ``Adapted`` keeps the frozen weight under
@@ -125,8 +124,7 @@ class Adapted(OwnProjection):
         """A and B in their compute layout (FSDP's split gathered: they are small), so that
         s A B is whole where W is, and W + s A B needs no gather of a weight-sized array
         (a quantized W is gathered as codes, ``quant.Quantized``)."""
-        return (constrain_weight(self.lora_a[...], self.lora_a.get_metadata()["logical"]),
-                constrain_weight(self.lora_b[...], self.lora_b.get_metadata()["logical"]))
+        return quant.gathered(self.lora_a), quant.gathered(self.lora_b)
 
     def merged(self) -> jax.Array:
         """W + s A B in W's dtype."""

@@ -154,10 +154,10 @@ class Quantized(nnx.Module):
     def scales(self) -> jax.Array:
         """The first-level fp32 scales (dequantized when double-quantized)."""
         if not self.double_quant:
-            return _gathered(self.scale)
+            return gathered(self.scale)
         return double_dequantize(DoubleQuantized(
-            _gathered(self.scale_codes), _gathered(self.scale_scale),
-            _gathered(self.scale_offset)))
+            gathered(self.scale_codes), gathered(self.scale_scale),
+            gathered(self.scale_offset)))
 
     def __getitem__(self, index: Any) -> jax.Array:
         return self.dequantized()[index]
@@ -168,13 +168,13 @@ class Quantized(nnx.Module):
     def dequantized(self) -> jax.Array:
         """The weight, dequantized (in ``dtype``)."""
         qwix = qwix_module()
-        codes = _gathered(self.codes)
+        codes = gathered(self.codes)
         codes = unpack_nibbles(codes) if self.packed else codes
         q = qwix.QArray(codes, self.scales(), None, FORMATS[self.fmt])
         return qwix.dequantize(q).astype(self.out_dtype)
 
 
-def _gathered(var: nnx.Variable) -> jax.Array:
-    """A code or scale array in its compute layout (FSDP's split gathered), so that the
-    step's all-gathers move codes and scales, never the dequantized weight."""
+def gathered(var: nnx.Variable) -> jax.Array:
+    """A code, scale or adapter array in its compute layout (FSDP's split gathered), so
+    that the step's all-gathers move codes and scales, never the dequantized weight."""
     return constrain_weight(var[...], var.get_metadata().get("logical") or ())
