@@ -202,6 +202,33 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(target, spec))
 
 
+STORAGE_AXES = ("fsdp",)  # axes a weight is split over to be stored, gathered to be used
+
+
+def compute_rules(rules: Rules) -> Rules:
+    """``rules`` without the storage axes: where a weight lives while a layer computes
+    with it (its tensor or expert split kept, its FSDP split gone)."""
+    return {dim: tuple(a for a in axes if a not in STORAGE_AXES) for dim, axes in rules.items()}
+
+
+def constrain_weight(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    """Pin a stored weight (or its quantized codes and scales) to its compute layout, so
+    that XLA gathers it here, in the dtype it has here; a no-op outside
+    ``activation_rules``. ``logical`` is matched from the right: a scanned layer's weight
+    has lost its leading ``layers`` dim."""
+    active = _ACTIVE.get()
+    if active is None or len(logical) < x.ndim:
+        return x
+    mesh, rules = active
+    dims = tuple(logical)[len(logical) - x.ndim:]
+    spec = logical_to_spec(dims, compute_rules(rules), dict(mesh.shape), name="weight")
+    context = jax.sharding.get_abstract_mesh()
+    target = context if not context.empty and context.manual_axes else mesh
+    if any(t == jax.sharding.AxisType.Explicit for t in target.axis_types):
+        return jax.sharding.reshard(x, NamedSharding(target, spec))  # a type, not a hint
+    return jax.lax.with_sharding_constraint(x, NamedSharding(target, spec))
+
+
 _COMPILING_FOR: contextvars.ContextVar[jax.Device | None] = contextvars.ContextVar(
     "shardlib_compiling_for", default=None)
 

@@ -181,3 +181,87 @@ def test_bad_quant_values_name_the_field():
         lora.check(LoRAConfig(rank=2, base_quant="nf3"))
     with pytest.raises(ConfigError, match=r"lora.quant_block=48: does not divide"):
         _quantized("nf4", True, block=48)
+
+
+def _fsdp8_qlora(**lora_changes):
+    """The tiny QLoRA config on an ``fsdp=8`` mesh (8 CPU devices)."""
+    return dataclasses.replace(_tiny(base_quant="nf4", **lora_changes),
+                               mesh=MeshConfig(data=1, fsdp=8))
+
+
+def _base_weights(setup) -> dict[str, int]:
+    """One layer's quantized weights: elements by path (the codes' shape, nibbles unpacked,
+    without the stacked ``layers`` dim)."""
+    out = {}
+    for key, var in nnx.to_flat_state(abstract_state(setup).model_state):
+        if key[-1] == "codes" and key[-2] == "base":
+            out[".".join(map(str, key[:-2]))] = 2 * int(np.prod(var.shape[1:]))
+    return out
+
+
+def test_fsdp_step_gathers_codes_not_dequantized_weights():
+    """On ``fsdp=8`` the compiled QLoRA step all-gathers each layer's codes and scales
+    before dequantizing (``quant.Quantized``), never a dequantized floating-point weight
+    (8x the bytes of NF4 codes in f32); the gathered code bytes are the codes' own."""
+    from shardlib.analysis.hlo import parse_collectives
+    from shardlib.inspect import abstract_batch, compile_step
+
+    setup = shardlib.build_setup(_fsdp8_qlora(), jax.devices()[:8])
+    compiled = compile_step(setup, abstract_state(setup), abstract_batch(setup), None)
+    gathers = [c for c in parse_collectives(compiled.as_text(), setup.mesh)
+               if c.kind.startswith("all-gather")]
+    smallest = min(_base_weights(setup).values())
+    floats = [c for c in gathers if c.dtype[0] in "fb" and c.count == setup.config.model.num_layers
+              and max(np.prod(s.dims) for s in c.result_shapes) >= smallest]
+    assert not floats, [str(s) for c in floats for s in c.result_shapes]
+    codes = sum(c.total_bytes_per_device for c in gathers if c.dtype == "u8")
+    theory = sum(_base_weights(setup).values()) // 2 * 7 // 8 * setup.config.model.num_layers
+    assert theory <= codes <= 2 * theory, (codes, theory)  # forward, maybe backward again
+
+
+def test_weight_constraint_is_a_reshard_on_an_explicit_mesh():
+    """``constrain_weight`` drops the fsdp split on a mesh of Explicit axes too (there it
+    is a ``jax.reshard``: the sharding is part of the type)."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    from shardlib.sharding import activation_rules, constrain_weight
+
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Explicit,) * 2,
+                         devices=jax.devices()[:8])
+    rules = {"embed": ("fsdp",), "mlp": ("tensor",)}
+    w = jax.device_put(jnp.ones((3, 8, 4)), NamedSharding(mesh, PartitionSpec(None, "fsdp",
+                                                                              "tensor")))
+
+    def pinned(w):
+        with activation_rules(mesh, rules):
+            return constrain_weight(w[0], ("layers", "embed", "mlp"))  # one scanned layer
+
+    with jax.set_mesh(mesh):
+        out = jax.jit(pinned)(w)
+    assert out.sharding.spec == PartitionSpec(None, "tensor")
+
+
+def test_qlora_checkpoint_resumes_like_an_uninterrupted_run(tmp_path):
+    """Two QLoRA steps (nf4, LoRA dropout: its key is state too) on ``fsdp=2``, saved,
+    restored and run two more: the losses, adapters, optimizer state, codes and dropout
+    key equal those of the run that went on, bitwise."""
+    from shardlib.checkpoint import Checkpointer
+    from shardlib.train.step import make_train_step
+    from tests.test_checkpoint import assert_bitwise, host_leaves, run_on
+
+    config = dataclasses.replace(_tiny(base_quant="nf4", dropout=0.1),
+                                 mesh=MeshConfig(data=1, fsdp=2))
+    setup = shardlib.build_setup(config, jax.devices()[:2])
+    step_fn = make_train_step(setup, donate=False)
+    saved, _ = run_on(setup, step_fn, shardlib.init_state(setup, seed=0), 0, 2)
+    checkpointer = Checkpointer(tmp_path / "ckpt")
+    checkpointer.save(2, saved, config, wait=True)
+    checkpointer.close()
+    on, on_losses = run_on(setup, step_fn, saved, 2, 2)
+    restored = Checkpointer(tmp_path / "ckpt").restore(setup, 2)
+    codes = restored.model_state["blocks"]["mlp"]["w_in_df"]["base"]["codes"].get_value()
+    assert codes.dtype == jnp.uint8 and codes.sharding.spec[1] == "fsdp"
+    assert_bitwise(host_leaves(restored), host_leaves(saved))  # codes, key, adapters, Adam
+    resumed, resumed_losses = run_on(setup, step_fn, restored, 2, 2)
+    assert resumed_losses == on_losses
+    assert_bitwise(host_leaves(resumed), host_leaves(on))

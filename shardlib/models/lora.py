@@ -115,10 +115,16 @@ class Adapted(OwnProjection):
     def delta(self) -> jax.Array:
         """s A B, the adapter's change to the weight, in the weight's shape (inside a layer
         scan, one layer's: the stacking dims are whatever A has beyond its in dims)."""
-        a, b = self.lora_a[...], self.lora_b[...]
+        a, b = self.gathered_adapter()
         lead = "abcdef"[:a.ndim - 1 - self.ins]
         ins, outs = "ghijkl"[:self.ins], "mnopqs"[:b.ndim - len(lead) - 1]
         return jnp.einsum(f"{lead}{ins}r,{lead}r{outs}->{lead}{ins}{outs}", a, b) * self.scale
+
+    def gathered_adapter(self) -> tuple[jax.Array, jax.Array]:
+        """A and B in their compute layout (FSDP's split gathered: they are small), so that
+        s A B is whole where W is, and W + s A B needs no gather of a weight-sized array
+        (a quantized W is gathered as codes, ``quant.Quantized``)."""
+        return quant.gathered(self.lora_a), quant.gathered(self.lora_b)
 
     def merged(self) -> jax.Array:
         """W + s A B in W's dtype."""

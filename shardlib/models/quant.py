@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardlib.errors import ConfigError
+from shardlib.sharding import constrain_weight
 
 FORMATS: dict[str, Any] = {"nf4": "nf4", "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 CODE_BITS = {"nf4": 4, "int8": 8, "fp8": 8}
@@ -153,9 +154,10 @@ class Quantized(nnx.Module):
     def scales(self) -> jax.Array:
         """The first-level fp32 scales (dequantized when double-quantized)."""
         if not self.double_quant:
-            return self.scale[...]
+            return gathered(self.scale)
         return double_dequantize(DoubleQuantized(
-            self.scale_codes[...], self.scale_scale[...], self.scale_offset[...]))
+            gathered(self.scale_codes), gathered(self.scale_scale),
+            gathered(self.scale_offset)))
 
     def __getitem__(self, index: Any) -> jax.Array:
         return self.dequantized()[index]
@@ -166,6 +168,13 @@ class Quantized(nnx.Module):
     def dequantized(self) -> jax.Array:
         """The weight, dequantized (in ``dtype``)."""
         qwix = qwix_module()
-        codes = unpack_nibbles(self.codes[...]) if self.packed else self.codes[...]
+        codes = gathered(self.codes)
+        codes = unpack_nibbles(codes) if self.packed else codes
         q = qwix.QArray(codes, self.scales(), None, FORMATS[self.fmt])
         return qwix.dequantize(q).astype(self.out_dtype)
+
+
+def gathered(var: nnx.Variable) -> jax.Array:
+    """A code, scale or adapter array in its compute layout (FSDP's split gathered), so
+    that the step's all-gathers move codes and scales, never the dequantized weight."""
+    return constrain_weight(var[...], var.get_metadata().get("logical") or ())
