@@ -202,6 +202,24 @@ def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(target, spec))
 
 
+def varying_axes(*arrays: jax.Array) -> frozenset[str]:
+    """The manual mesh axes (inside a ``shard_map``) any of ``arrays`` is typed to vary
+    over."""
+    axes: set[str] = set()
+    for x in arrays:
+        kind = jax.typeof(x)
+        mat = getattr(kind, "manual_axis_type", None)  # jax 0.10; ``vma`` in later releases
+        axes |= set(mat.varying) if mat is not None else set(getattr(kind, "vma", ()))
+    return frozenset(axes)
+
+
+def as_varying(x: jax.Array, axes: frozenset[str]) -> jax.Array:
+    """``x`` typed to vary over ``axes`` too (the implicit cast autodiff would insert; a
+    no-op at run time)."""
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 STORAGE_AXES = ("fsdp",)  # axes a weight is split over to be stored, gathered to be used
 
 

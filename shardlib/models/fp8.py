@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from shardlib.errors import ConfigError
+from shardlib.sharding import as_varying
 
 FORWARD = jnp.float8_e4m3fn  # activations and weights
 BACKWARD = jnp.float8_e5m2  # output gradients
@@ -76,10 +77,8 @@ def global_amax(x: jax.Array) -> jax.Array:
                    if a not in NOT_REDUCED)
     if not manual:
         return amax
-    invariant = tuple(a for a in manual if a not in jax.typeof(amax).mat.varying)
-    if invariant:  # a typed pmax takes varying values; equal ones stay equal
-        amax = jax.lax.pcast(amax, invariant, to="varying")
-    return jax.lax.pmax(amax, manual)
+    # a typed pmax takes varying values; equal ones stay equal
+    return jax.lax.pmax(as_varying(amax, frozenset(manual)), manual)
 
 
 def quantize(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from shardlib.sharding import as_varying, varying_axes
+
 Implementation = tuple[str, ...]  # tokamax's kernels to try, in order
 IMPLEMENTATIONS: dict[str, Implementation] = {
     # Triton first (tokamax's own order is Mosaic GPU first): the same temporaries on the
@@ -79,20 +81,8 @@ def _as_default(device: jax.Device) -> Iterator[None]:
         absl_logger.setLevel(level)
 
 
-def _varying(*arrays: jax.Array) -> frozenset[str]:
-    """The manual mesh axes (inside a ``shard_map``) any of ``arrays`` varies over."""
-    axes: set[str] = set()
-    for x in arrays:
-        kind = jax.typeof(x)
-        mat = getattr(kind, "manual_axis_type", None)  # jax 0.10; ``vma`` in later releases
-        axes |= set(mat.varying) if mat is not None else set(getattr(kind, "vma", ()))
-    return frozenset(axes)
 
 
-def _vary(x: jax.Array, axes: frozenset[str]) -> jax.Array:
-    """``x`` typed to vary over ``axes`` too (a no-op at run time)."""
-    extra = tuple(sorted(axes - _varying(x)))
-    return jax.lax.pcast(x, extra, to="varying") if extra else x
 
 
 def _unchecked(fn):
@@ -117,7 +107,7 @@ def _ragged_dot(x_ak: jax.Array, w_ekn: jax.Array, group_sizes_e: jax.Array,
 def _gmm(x_ak: jax.Array, w_ekn: jax.Array, group_sizes_e: jax.Array, device: jax.Device,
          implementation: Implementation) -> jax.Array:
     run = partial(_ragged_dot, device=device, implementation=implementation)
-    return _vary(_unchecked(run)(x_ak, w_ekn, group_sizes_e), _varying(x_ak))
+    return as_varying(_unchecked(run)(x_ak, w_ekn, group_sizes_e), varying_axes(x_ak))
 
 
 def _gmm_fwd(x_ak, w_ekn, group_sizes_e, device, implementation):
@@ -138,9 +128,9 @@ def _gmm_bwd(device, implementation, residuals, dy_an):
             return vjp(dy_an)
 
     dx_ak, dw_ekn = _unchecked(pull)(x_ak, w_ekn, group_sizes_e, dy_an)
-    axes = _varying(x_ak)
-    dx_ak = _in_groups(_vary(dx_ak, axes), group_sizes_e)
-    return dx_ak, _vary(dw_ekn, axes), np.zeros(group_sizes_e.shape, jax.dtypes.float0)
+    axes = varying_axes(x_ak)
+    dx_ak = _in_groups(as_varying(dx_ak, axes), group_sizes_e)
+    return dx_ak, as_varying(dw_ekn, axes), np.zeros(group_sizes_e.shape, jax.dtypes.float0)
 
 
 def _in_groups(y_an: jax.Array, group_sizes_e: jax.Array) -> jax.Array:
@@ -157,8 +147,8 @@ def tokamax_gmm(x_ak: jax.Array, w_ekn: jax.Array, group_sizes_e: jax.Array, *,
                 ) -> jax.Array:
     """Grouped matmul ``y[rows of e] = x[rows of e] . w[e]`` (rows sorted by expert) by
     tokamax's kernels compiled for ``device``; rows past ``sum(group_sizes)`` give 0."""
-    axes = _varying(x_ak, w_ekn, group_sizes_e)
-    x_ak, w_ekn, sizes_e = (_vary(a, axes) for a in (x_ak, w_ekn, group_sizes_e))
+    axes = varying_axes(x_ak, w_ekn, group_sizes_e)
+    x_ak, w_ekn, sizes_e = (as_varying(a, axes) for a in (x_ak, w_ekn, group_sizes_e))
     y_an = _gmm(x_ak, w_ekn, sizes_e.astype(jnp.int32), device, tuple(implementation))
     return _in_groups(y_an, sizes_e)
 

@@ -34,7 +34,7 @@ from jax import lax
 
 from shardlib.models.gmm import active_gmm, resolve_gmm
 from shardlib.models.gmm_tokamax import IMPLEMENTATIONS, tokamax_gmm
-from shardlib.sharding import compute_device
+from shardlib.sharding import as_varying, compute_device, varying_axes
 
 Activation = Callable[[jax.Array], jax.Array]
 
@@ -89,26 +89,14 @@ def _tile_rows(tiles: Tiles, tile: tuple, block: int) -> tuple[jax.Array, jax.Ar
     return start, mask_b
 
 
-def _varying(*arrays: jax.Array) -> frozenset[str]:
-    """The manual mesh axes (inside a ``shard_map``) any of ``arrays`` varies over."""
-    axes: set[str] = set()
-    for x in arrays:
-        kind = jax.typeof(x)
-        mat = getattr(kind, "manual_axis_type", None)  # jax 0.10; ``vma`` in later releases
-        axes |= set(mat.varying) if mat is not None else set(getattr(kind, "vma", ()))
-    return frozenset(axes)
 
 
-def _vary(x: jax.Array, axes: frozenset[str]) -> jax.Array:
-    """``x`` marked varying over ``axes`` too (the implicit cast autodiff would insert)."""
-    extra = tuple(sorted(axes - _varying(x)))
-    return jax.lax.pcast(x, extra, to="varying") if extra else x
 
 
 def _zeros(shape: tuple[int, ...], dtype: jnp.dtype, *like: jax.Array) -> jax.Array:
     """Zeros varying over the manual axes ``like`` vary over, as ``scan`` carries and
     ``cond`` branches must match."""
-    return _vary(jnp.zeros(shape, dtype), _varying(*like))
+    return as_varying(jnp.zeros(shape, dtype), varying_axes(*like))
 
 
 def _scan_tiles(x_pk: jax.Array, w_ekn: jax.Array, tiles: Tiles, block: int,
@@ -175,8 +163,8 @@ def blockwise_gmm(x_ak: jax.Array, w_ekn: jax.Array, group_sizes_e: jax.Array, *
     x_pk = jnp.pad(x_ak, ((0, tiles.expert_p.shape[0] - rows), (0, 0)))
     # The custom backward sees no implicit casts: make x and w vary alike (inside a
     # shard_map), so autodiff of these casts sums x's gradient over, e.g., ``tensor``.
-    axes = _varying(x_pk, w_ekn)
-    return _tiled_gmm(_vary(x_pk, axes), _vary(w_ekn, axes), tiles, block)[:rows]
+    axes = varying_axes(x_pk, w_ekn)
+    return _tiled_gmm(as_varying(x_pk, axes), as_varying(w_ekn, axes), tiles, block)[:rows]
 
 
 def ragged_gmm(x_ak: jax.Array, w_ekn: jax.Array, group_sizes_e: jax.Array) -> jax.Array:

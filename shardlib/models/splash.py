@@ -41,6 +41,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import (
 from jax.sharding import PartitionSpec as P
 
 from shardlib.errors import ConfigError
+from shardlib.sharding import as_varying, varying_axes
 
 SPLASH_BLOCK = 128  # splash's query / key block: the sequence must be a multiple of it
 
@@ -99,17 +100,6 @@ def splash_attention(q_bthk: jax.Array, k_bsgk: jax.Array, v_bsgk: jax.Array, *,
 
 
 # --- a Pallas kernel inside a shard_map that checks varying axes ------------------------
-
-def varying_axes(x: jax.Array) -> frozenset[str]:
-    """The manual mesh axes ``x`` is typed to vary over (inside a shard_map)."""
-    return frozenset(jax.typeof(x).manual_axis_type.varying)
-
-
-def as_varying(x: jax.Array, axes: frozenset[str]) -> jax.Array:
-    """``x`` typed to vary over ``axes`` too (a no-op at run time)."""
-    missing = tuple(sorted(axes - varying_axes(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
-
 
 def _untyped(x: jax.Array) -> jax.Array:
     """``x`` without its varying-axes type, inside a shard_map that checks nothing (where
