@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -38,7 +39,7 @@ from shardlib.config import CheckpointConfig, CommConfig, MeshConfig
 from shardlib.errors import ConfigError
 from shardlib.observe import read_scalars
 from shardlib.reporting import NullReporter
-from shardlib.run import evaluation, resume, watchdog
+from shardlib.run import evaluation, goodput, resume, watchdog
 from shardlib.run.goodput import PROGRESS_FILE, Timeline, fractions
 from shardlib.run.loop import train
 from shardlib.train import nonfinite
@@ -317,17 +318,26 @@ def test_goodput_covers_the_wall_time_and_counts_recomputed_steps(tmp_path):
     assert scalars["goodput/productive"][0][1] == pytest.approx(summary["goodput"], rel=1e-6)
 
 
-def test_timeline_nests_phases_exclusively():
+def test_timeline_nests_phases_exclusively(monkeypatch):
+    """A phase inside another is charged to itself alone (on the timeline's own clock,
+    stepped by hand, so a loaded host cannot move the figures)."""
+    now = [100.0]
+    monkeypatch.setattr(goodput, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
     timeline = Timeline()
     with timeline.phase("checkpoint"):
-        time.sleep(0.02)
+        sleep(0.02)
         with timeline.phase("data"):
-            time.sleep(0.03)
+            sleep(0.03)
     with timeline.phase("step"):
-        time.sleep(0.02)
+        sleep(0.02)
     timeline.settle([1, 2], lost_until=1)
     seconds = timeline.breakdown()
-    assert 0.02 <= seconds["checkpoint"] < 0.03 and 0.03 <= seconds["input_wait"] < 0.045
+    assert seconds["checkpoint"] == pytest.approx(0.02)
+    assert seconds["input_wait"] == pytest.approx(0.03)
     assert seconds["restart_lost"] == pytest.approx(seconds["productive"])
 
 
