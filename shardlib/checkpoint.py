@@ -55,7 +55,7 @@ from shardlib.checkpoint_files import (
     warn,
     write_record,
 )
-from shardlib.config import CheckpointConfig, Config, to_dict
+from shardlib.config import CheckpointConfig, Config, set_text, to_dict
 from shardlib.distributed import is_main_process
 from shardlib.errors import (
     CheckpointError,
@@ -506,13 +506,8 @@ class Checkpointer:
             return ""
         diffs = [f"model.{k}={v!r} (checkpoint) vs {here.get(k)!r} (here)"
                  for k, v in differ.items()]
-        fix = " ".join(f"model.{k}={set_value(v)}" for k, v in differ.items())
+        fix = " ".join(f"model.{k}={set_text(v)}" for k, v in differ.items())
         return f"; config differs: {', '.join(diffs)} (to read it: --set {fix})"
-
-
-def set_value(value: Any) -> str:
-    """``value`` as ``--set`` takes it: ``false``, ``4``, ``rope``."""
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def open_for_training(cfg: CheckpointConfig) -> Checkpointer | None:

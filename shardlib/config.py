@@ -388,6 +388,12 @@ def _coerce(text: str, annotation: Any, key: str) -> Any:
     raise ConfigError(f"--set {key}={text}: expected a {name}")
 
 
+def set_text(value: Any) -> str:
+    """``value`` as ``--set`` takes it (the reverse of ``_coerce``): ``false``, ``4``,
+    ``rope``."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _coerce_flag_or_word(text: str) -> bool | str:
     """A ``bool | str`` field: the boolean words as a bool, any other text as itself (its
     own check names the valid words)."""

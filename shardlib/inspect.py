@@ -337,7 +337,7 @@ def to_json(ins: Inspection) -> dict[str, Any]:
         "moe_grouped_matmul": grouped_matmul(setup),
         "target": None if ins.target is None else target_dict(ins.target, fits=ins.fits),
         # what each auto option chose, and why (model.scan_layers=auto: on every platform)
-        "notes": [*setup.notes, *([setup.layers_note] if setup.layers_note else [])],
+        "notes": list(setup.all_notes),
     }
 
 
@@ -478,9 +478,8 @@ def render(ins: Inspection, console: Console | None = None) -> None:
         console.print(f"model {setup.model.name}: {num_params(setup):,} parameters, FSDP units "
                       f"{setup.model.units or 'none'}; batch {tc.batch_size}; compiled in "
                       f"{ins.compile_s:.1f} s")
-    for note in (*setup.notes, setup.layers_note):  # what each auto option chose, and why
-        if note:
-            console.print(note)
+    for note in setup.all_notes:  # what each auto option chose, and why
+        console.print(note)
     console.print(sharding_table(param_table(setup)))
     console.print(collectives_table(ins))
     console.print(theory_table(ins))

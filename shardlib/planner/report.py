@@ -10,7 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from shardlib.config import Config, TrainConfig, parse_mesh
+from shardlib.config import Config, TrainConfig, parse_mesh, set_text
 from shardlib.inspect import target_dict
 from shardlib.models.presets import PRESETS
 from shardlib.planner.profiles import link_for
@@ -55,8 +55,7 @@ def config_overrides(config: Config, base: Config) -> list[str]:
         for f in dataclasses.fields(mine):
             value = getattr(mine, f.name)
             if value != getattr(theirs, f.name):
-                text = str(value).lower() if isinstance(value, bool) else str(value)
-                out.append(shlex.quote(f"{section.name}.{f.name}={text}"))
+                out.append(shlex.quote(f"{section.name}.{f.name}={set_text(value)}"))
     return out
 
 

@@ -62,3 +62,9 @@ class TrainSetup:
     @property
     def sizes(self) -> dict[str, int]:
         return dict(self.mesh.shape)
+
+    @property
+    def all_notes(self) -> tuple[str, ...]:
+        """Every ``auto`` option's pick, ``model.scan_layers``' among them (``inspect``
+        says them all; a CPU run's start-up leaves the layer layout unsaid)."""
+        return (*self.notes, *((self.layers_note,) if self.layers_note else ()))
