@@ -218,13 +218,13 @@ def llama_mini_temporaries(impl: str, *, ordered: bool = True, cast_first: bool 
 def test_a_llama_step_with_splash_is_as_lean_as_the_chunked_kernel_on_tpu():
     """With splash picked for the target, a Llama-shaped step's per-chip temporaries are
     at most the chunked kernel's (+2%: splash's forward writes its log-sum-exp 128 lanes
-    wide; 1.006x at 7B) and under half the textbook kernel's, whose (T, T) scores are
-    gone: no attention residual survives the remat policy."""
+    wide; 1.006x at 7B): no attention residual survives the remat policy. (The textbook
+    kernel, 442.1 MB here, is not compiled: a minute of CI for what
+    test_attention.test_chunked_temporaries_far_below_textbook_at_2048 holds already.)"""
     splash, kernel = llama_mini_temporaries("auto")
     assert kernel == "splash (Mosaic)"
-    chunked, textbook = llama_mini_temporaries("chunked")[0], llama_mini_temporaries("xla")[0]
+    chunked = llama_mini_temporaries("chunked")[0]
     assert splash <= 1.02 * chunked, (splash, chunked)
-    assert splash <= 0.5 * textbook, (splash, textbook)
 
 
 # What each of the default step's changes saves (docs/results/accelerators.md): the
