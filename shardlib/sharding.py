@@ -162,6 +162,11 @@ def check_divisible(
             )
 
 
+def spec_axes(spec: PartitionSpec) -> set[str]:
+    """The mesh axes a spec splits any dim over."""
+    return {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
+
+
 def bytes_per_device(shape: Sequence[int], dtype: jax.typing.DTypeLike, spec: PartitionSpec,
                      sizes: Mapping[str, int]) -> int:
     """Bytes of one device's shard of an array with this spec."""

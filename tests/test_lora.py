@@ -25,6 +25,7 @@ from shardlib.config import (
 from shardlib.config_check import check_ranges
 from shardlib.errors import ConfigError
 from shardlib.models import lora
+from shardlib.parallel import tensor
 from tests.helpers import assert_like_one_device, run_steps, tiny_config
 
 TOL = 1e-5
@@ -38,13 +39,40 @@ def lora_config(config: Config, **changes) -> Config:
 
 # --- without peft ------------------------------------------------------------------------
 
-def test_sharded_mesh_trains_the_adapters_like_one_device():
+@pytest.fixture(scope="module")
+def one_device_lora() -> tuple[Config, tuple]:
+    """Two steps of adapters on one device (lr 1e-2, so that B, zero at init, moves and
+    A's gradient is not zero at the second step): the config and ``run_steps``'s result."""
     config = lora_config(tiny_config(MeshConfig(data=1), steps=2), alpha=8.0)
     config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, lr=1e-2))
-    one = run_steps(config, 1)
-    sharded = run_steps(dataclasses.replace(config, mesh=MeshConfig(data=2, fsdp=2, tensor=2)))
+    return config, run_steps(config, 1)
+
+
+# pipeline + tensor: a factor every tensor device holds whole beside a split one (A of
+# w_q, B of w_out) gets its gradient summed over tensor inside the stages
+@pytest.mark.parametrize("mesh", [MeshConfig(data=2, fsdp=2, tensor=2),
+                                  MeshConfig(data=2, pipeline=2, tensor=2)],
+                         ids=["data=2,fsdp=2,tensor=2", "pipeline=2,tensor=2,data=2"])
+def test_sharded_mesh_trains_the_adapters_like_one_device(mesh, one_device_lora):
+    config, one = one_device_lora
+    sharded = run_steps(dataclasses.replace(config, mesh=mesh))
     assert_like_one_device(sharded, one)
     assert set(one[1]) and all(p.endswith(("lora_a", "lora_b")) for p in one[1])
+
+
+def test_factors_beside_a_tensor_split_one_are_summed_over_tensor():
+    """``tensor.region_factors``: A of a column-split weight, B of a row-split one (and of
+    the vocab-split embedding); never a factor split over tensor itself."""
+    config = lora_config(tiny_config(MeshConfig(data=1, pipeline=2, tensor=2)),
+                         targets=r"attn\.w_,mlp\.w_,embed")
+    setup = shardlib.build_setup(config, jax.devices()[:4])
+    specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
+    summed = {".".join(map(str, path)) for path, flag
+              in nnx.to_flat_state(tensor.region_factors(specs)) if flag.get_value()}
+    assert summed == {"blocks.attn.w_q_dhk.lora_a", "blocks.attn.w_k_dhk.lora_a",
+                      "blocks.attn.w_v_dhk.lora_a", "blocks.attn.w_o_hkd.lora_b",
+                      "blocks.mlp.w_in_df.lora_a", "blocks.mlp.w_out_fd.lora_b",
+                      "embed.w_vd.lora_b"}
 
 
 def test_base_has_no_gradient_and_no_optimizer_state():

@@ -18,11 +18,7 @@ from jax.sharding import PartitionSpec
 
 from shardlib.analysis.peak import PeakTerms
 from shardlib.analysis.theory import Term
-from shardlib.sharding import bytes_per_device
-
-
-def _axes(spec: PartitionSpec) -> set[str]:
-    return {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
+from shardlib.sharding import bytes_per_device, spec_axes
 
 
 def unit_key(path: tuple, units: tuple[tuple, ...]) -> str:
@@ -66,10 +62,10 @@ def tree_comm_terms(params: nnx.State, specs: nnx.State, sizes: Mapping[str, int
     for path, var in nnx.to_flat_state(params):
         spec = flat_specs[path].get_value()
         held = Fraction(bytes_per_device(var.shape, var.dtype, spec, sizes))
-        if "fsdp" in _axes(spec):
+        if "fsdp" in spec_axes(spec):
             split["all"] += held * f
             split["units"] += held * f if unit_key(path, units) != "outside" else 0
-        if "data" not in _axes(spec):
+        if "data" not in spec_axes(spec):
             replicated += held
     terms = []
     if f > 1:

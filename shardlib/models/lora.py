@@ -45,6 +45,7 @@ from shardlib.models.layers import OwnProjection, linear
 STACK_DIMS = ("layers", "expert")  # leading dims an adapter keeps (one adapter per layer)
 BASE = "base"  # the attribute an ``Adapted`` keeps the frozen weight under
 KEY = "lora_dropout_key"  # the attribute the adapted model keeps its dropout key under
+FACTORS = ("lora_a", "lora_b")  # the attributes an ``Adapted`` keeps A and B under
 
 # the dropout key of the loss now being traced (``dropout_key``); None: no dropout
 _KEY: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(

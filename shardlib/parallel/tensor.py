@@ -33,8 +33,9 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from shardlib import hooks
+from shardlib.models.lora import FACTORS
 from shardlib.parallel import fsdp
-from shardlib.sharding import Rules, make_rules
+from shardlib.sharding import Rules, make_rules, spec_axes
 
 if TYPE_CHECKING:
     from shardlib.config import Config
@@ -166,6 +167,28 @@ def _local_ids(ids_bt: jax.Array, local_vocab: int) -> tuple[jax.Array, jax.Arra
     local_bt = _offset_ids(ids_bt, local_vocab)
     hit_bt = (local_bt >= 0) & (local_bt < local_vocab)
     return jnp.clip(local_bt, 0, local_vocab - 1), hit_bt
+
+
+# --- gradients each device holds in part -----------------------------------------------
+
+def region_factors(specs: nnx.State) -> nnx.State:
+    """Per parameter of ``specs`` (a state of specs, as True / False in its layout):
+    whether it is a LoRA factor held whole on every ``tensor`` device beside a
+    tensor-split one (A of a column-split weight, B of a row-split one). Such a factor is
+    read only inside a Megatron region, so each device's gradient is the part that flows
+    through its slice: untyped TP (the pipeline's stages) must sum it over ``tensor``. A
+    parameter outside the regions (norm scales, positions, row biases) gets the whole
+    gradient on every device from f and g."""
+    flat = nnx.to_flat_state(specs)
+    split = {path: AXIS in spec_axes(var.get_value()) for path, var in flat}
+
+    def partial(path: tuple) -> bool:
+        *parent, name = path
+        if name not in FACTORS or split[path]:
+            return False
+        return split.get((*parent, FACTORS[1 - FACTORS.index(name)]), False)
+
+    return nnx.from_flat_state([(path, var.replace(value=partial(path))) for path, var in flat])
 
 
 # --- when and how the loss runs explicitly --------------------------------------------

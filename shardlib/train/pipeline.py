@@ -49,7 +49,10 @@ per microbatch:
 (``2 (F-1)/F P_stage``) and holds them, and their whole gradient, for the step.
 Gradients are reduce-scattered over fsdp, all-reduced over data and, for the parameters
 replicated over ``pipeline``, summed over the stages (and over ``sequence``, and over
-``tensor`` under sequence parallelism, for the parameters each device holds whole).
+``tensor`` under sequence parallelism, for the parameters each device holds whole). A LoRA
+factor held whole beside a tensor-split one (A of a column-split weight, B of a row-split
+one) is read only inside a Megatron region, so its gradient is summed over ``tensor``
+too (``tensor.region_factors``).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ from shardlib.config import Config
 from shardlib.contract import pick
 from shardlib.errors import ConfigError
 from shardlib.parallel import context, fsdp, moe_manual, tensor
+from shardlib.sharding import spec_axes
 from shardlib.train import pipeline_chunks
 from shardlib.train import pipeline_schedule as ticks
 from shardlib.train.pipeline_check import (
@@ -194,10 +198,6 @@ def _tick(stage: Stage, schedule: Schedule, params: nnx.State, batch_mbt: Microb
     return tick
 
 
-def _spec_axes(spec: PartitionSpec) -> set[str]:
-    return {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
-
-
 def partial_axes(config: Config, sizes: Mapping[str, int]) -> tuple[str, ...]:
     """Axes over which each device holds a partial gradient of a parameter that is not
     split over them: the stages, the batch shards, ``sequence`` (each device holds a
@@ -208,24 +208,28 @@ def partial_axes(config: Config, sizes: Mapping[str, int]) -> tuple[str, ...]:
 
 
 def reduce_grads(grads: nnx.State, specs: nnx.State, sizes: Mapping[str, int], *,
-                 scattered: bool = False, partial: tuple[str, ...] | None = None
-                 ) -> nnx.State:
+                 scattered: bool = False, partial: tuple[str, ...] | None = None,
+                 over_tensor: nnx.State | None = None) -> nnx.State:
     """Per-device gradients of whole stage parameters -> gradients in the parameters'
     layout: reduce-scatter over fsdp (unless the per-layer gathers' backward already
     did, ``scattered``), then sum over every other axis of ``partial`` (default: the
     stages and the batch axes) a parameter is replicated on (data, and pipeline for
-    embedding, final norm and head)."""
+    embedding, final norm and head), and over ``tensor`` where ``over_tensor`` (True /
+    False per parameter, ``tensor.region_factors``) says so."""
     if partial is None:
         partial = tuple(a for a in (AXIS, *BATCH_AXES) if sizes.get(a, 1) > 1)
+    if over_tensor is None:
+        over_tensor = jax.tree.map(lambda _: False, specs)
 
-    def reduce(g: jax.Array, spec: PartitionSpec) -> jax.Array:
-        axes, dim = _spec_axes(spec), fsdp.gather_dim(spec)
+    def reduce(g: jax.Array, spec: PartitionSpec, in_region: bool) -> jax.Array:
+        axes, dim = spec_axes(spec), fsdp.gather_dim(spec)
         if dim is not None and sizes.get("fsdp", 1) > 1 and not scattered:
             g = jax.lax.psum_scatter(g, "fsdp", scatter_dimension=dim, tiled=True)
-        summed = tuple(a for a in partial if a not in axes)
+        region = ("tensor",) if in_region and "tensor" not in partial else ()
+        summed = tuple(a for a in partial if a not in axes) + region
         return jax.lax.psum(g, summed) if summed else g
 
-    return jax.tree.map(reduce, grads, specs)
+    return jax.tree.map(reduce, grads, specs, over_tensor)
 
 
 def _split(x_bt: jax.Array, count: int) -> jax.Array:
@@ -321,6 +325,7 @@ def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, 
     gather = fsdp.weight_gatherer(setup.rules, sizes,
                                   lambda x: precision.cast_params(x, policy=setup.policy))
     parts0 = zero_parts(setup)
+    over_tensor = tensor.region_factors(specs) if sizes.get("tensor", 1) > 1 else None
 
     frozen_specs = None if frozen is None else jax.tree.map(
         lambda sh: sh.spec, setup.state_shardings.model_state)
@@ -351,7 +356,7 @@ def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, 
                     stage, base, batch_mbt, shape, setup.policy.compute, sizes[AXIS]))
             parts, grads = run(whole)
         grads = reduce_grads(grads, specs, sizes, scattered=per_layer,
-                             partial=partial_axes(config, sizes))
+                             partial=partial_axes(config, sizes), over_tensor=over_tensor)
         unscale = lambda g: (g / scale.astype(g.dtype)).astype(g.dtype)
         total = lambda x: jax.lax.psum(x, (AXIS, *BATCH_AXES, SEQ_AXIS)) / (count * shards)  # noqa: E731
         return jax.tree.map(total, parts), jax.tree.map(unscale, grads)

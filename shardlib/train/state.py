@@ -209,16 +209,10 @@ def check_capabilities(config: Config, sizes: dict[str, int], model: Model) -> N
 
 
 def check_pipeline_lora(config: Config, sizes: dict[str, int]) -> None:
-    """The stages carry a LoRA model's frozen base beside its adapters, but not what a
-    stage would need beyond that: adapter gradients summed over ``tensor``, a dropout key
-    per microbatch, quantized bases."""
+    """The stages carry a LoRA model's frozen base beside its adapters (their gradients
+    summed over ``tensor`` where each device holds a part, ``tensor.region_factors``), but
+    not a dropout key per microbatch or quantized bases."""
     lc, stages = config.lora, sizes["pipeline"]
-    if sizes.get("tensor", 1) > 1:
-        raise ConfigError(f"lora.rank={lc.rank} with --mesh pipeline={stages} and tensor="
-                          f"{sizes['tensor']}: inside the stages an adapter factor that "
-                          "every tensor device holds whole would get a partial gradient "
-                          "(nothing sums it over tensor yet); use pipeline with data / fsdp, "
-                          "or lora.rank=0")
     if lc.dropout:
         raise ConfigError(f"lora.dropout={lc.dropout} with --mesh pipeline={stages}: the "
                           "stages draw no dropout keys; set lora.dropout=0, or use data / "
