@@ -180,10 +180,30 @@ def pair_rows(batch: contract.Batch) -> contract.Batch:
     return rows
 
 
+def row_slicing_axes() -> tuple[str, ...]:
+    """Inside the stages' shard_map: the mesh axes over which each device holds a slice of
+    every row (``sequence``, context parallelism), so a row's log-prob is a sum over them."""
+    sizes = jax.sharding.get_abstract_mesh().shape
+    return tuple(axis for axis in ("sequence",) if sizes.get(axis, 1) > 1)
+
+
+def sliced_sequence_logps(logps_bt: jax.Array, mask_bt: jax.Array, mean: bool = False
+                          ) -> jax.Array:
+    """``sequence_logps`` of rows whose tokens are split over ``row_slicing_axes``: each
+    device's partial sums, summed over them (every device then holds the whole rows')."""
+    axes = row_slicing_axes()
+    total = lambda x_bt: jax.lax.psum(jnp.sum(x_bt, axis=-1), axes) if axes \
+        else jnp.sum(x_bt, axis=-1)  # noqa: E731
+    logps_b = total(logps_bt)
+    return logps_b / total(mask_bt.astype(jnp.float32)) if mean else logps_b
+
+
 def staged_loss(config: Config):
     """The objective as the last pipeline stage computes it (``Stage.head_loss``): from the
     per-token cross-entropies (2b, T) of a microbatch of ``pair_rows``, (the mean loss,
-    its metrics) over its b pairs, the reference the precomputed ``ref_logps``."""
+    its metrics) over its b pairs, the reference the precomputed ``ref_logps``. Under
+    context parallelism each device holds a slice of the T tokens: the rows' log-probs are
+    summed over ``sequence``, and every device there computes the same objective."""
     mean = config.train.objective == "simpo"
 
     def pairs(x_2b: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -192,11 +212,12 @@ def staged_loss(config: Config):
 
     def loss(losses_bt: jax.Array, mb: contract.Batch) -> tuple[jax.Array, contract.Metrics]:
         mask_bt = mb["mask"].astype(jnp.float32)
-        logps = pairs(sequence_logps(-losses_bt.astype(jnp.float32) * mask_bt, mask_bt, mean))
+        logps = pairs(sliced_sequence_logps(-losses_bt.astype(jnp.float32) * mask_bt,
+                                            mask_bt, mean))
         ref_bt = (-mb["ref_losses"] * mask_bt if "ref_losses" in mb  # the base, in the stages
                   else mb.get("ref_logps"))  # precomputed (DPO without LoRA)
         ref = None if mean else tuple(jax.lax.stop_gradient(x) for x in pairs(
-            sequence_logps(ref_bt.astype(jnp.float32), mask_bt)))
+            sliced_sequence_logps(ref_bt.astype(jnp.float32), mask_bt)))
         objective, metrics = pair_objective(config, logps, ref)
         return objective, {key: metrics[key] for key in METRICS}
 
@@ -235,9 +256,7 @@ def check_run(gpt_check: contract.CheckFn | None):
         sizes = dict(mesh.shape)
         if sizes.get("pipeline", 1) == 1:
             return
-        sliced = [f"sequence={sizes['sequence']}"] if sizes.get("sequence", 1) > 1 else []
-        if config.mesh.sequence_parallel:
-            sliced.append("mesh.sequence_parallel")
+        sliced = ["mesh.sequence_parallel"] if config.mesh.sequence_parallel else []
         if config.pipeline.virtual_stages > 1 and config.train.objective == "dpo" \
                 and config.lora.rank:
             raise ConfigError(
