@@ -8,6 +8,7 @@ file:line. The TRL tests are skipped when trl, torch, transformers or peft are m
 import copy
 import dataclasses
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -327,6 +328,24 @@ def test_pipeline_preference_trains_like_one_device(lora, objective, mesh, one_d
     _assert_trains_like_one_device(_dpo_run(mesh, path, lora, objective), one, objective)
 
 
+def test_lora_dpo_on_interleaved_stages_trains_like_one_device(tmp_path, monkeypatch):
+    """The reference's forward runs the base through the stages in the stored layout (each
+    device's layers in model order), not the interleaved schedule's dealt chunks: DPO with
+    LoRA on ``pipeline.virtual_stages=2`` equals one device (4 layers: 2 stages x 2)."""
+    path = tmp_path / "pairs.jsonl"
+    _write_pairs(path)
+    plain = tiny_config
+
+    def four_layers(mesh: MeshConfig, steps: int = 3) -> Config:
+        config = plain(mesh, steps, num_layers=4)
+        return config if mesh.pipeline == 1 else dataclasses.replace(config, pipeline=(
+            dataclasses.replace(config.pipeline, schedule="interleaved", virtual_stages=2)))
+
+    monkeypatch.setattr(sys.modules[__name__], "tiny_config", four_layers)
+    _assert_trains_like_one_device(_dpo_run(MeshConfig(pipeline=2, data=1), path, True),
+                                   _dpo_run(MeshConfig(data=1), path, True))
+
+
 def test_pipeline_refuses_what_its_stages_cannot_run():
     from shardlib.train.state import build_setup
 
@@ -337,7 +356,7 @@ def test_pipeline_refuses_what_its_stages_cannot_run():
         build_setup(config, jax.devices()[:8], model=contract.builtin(config, "preference"))
 
     with pytest.raises(ConfigError, match=r"train.objective=simpo with pipeline=2 and "
-                                          r"mesh.sequence_parallel: the last stage sums"):
+                                          r"mesh.sequence_parallel: the last stage sums each row"):
         setup(MeshConfig(pipeline=2, tensor=2, data=2, sequence_parallel=True), "simpo")
     setup(MeshConfig(pipeline=2, sequence=2, data=2), "simpo")  # rows summed over sequence
     setup(MeshConfig(pipeline=2, tensor=2, data=2), rank=4)  # adapters on pipeline + tensor

@@ -248,28 +248,19 @@ def needs_reference(config: Config) -> bool:
 
 
 def check_run(gpt_check: contract.CheckFn | None):
-    """The GPT's checks, and a refusal of pipeline stages that hold a slice of each row
-    (the staged loss sums a whole row's log-probs on one device)."""
+    """The GPT's checks, and a refusal of pipeline stages under Megatron sequence
+    parallelism (the staged loss sums a row's log-probs over ``sequence`` only)."""
     def check(config: Config, mesh: Mesh) -> None:
         if gpt_check is not None:
             gpt_check(config, mesh)
         sizes = dict(mesh.shape)
-        if sizes.get("pipeline", 1) == 1:
-            return
-        sliced = ["mesh.sequence_parallel"] if config.mesh.sequence_parallel else []
-        if config.pipeline.virtual_stages > 1 and config.train.objective == "dpo" \
-                and config.lora.rank:
-            raise ConfigError(
-                f"train.objective=dpo, lora.rank={config.lora.rank} with pipeline."
-                f"virtual_stages={config.pipeline.virtual_stages}: the reference's forward "
-                "through the stages runs one chunk of layers per device; set "
-                "pipeline.virtual_stages=1")
-        if sliced:
+        if sizes.get("pipeline", 1) > 1 and config.mesh.sequence_parallel:
             raise ConfigError(
                 f"train.objective={config.train.objective} with pipeline={sizes['pipeline']} "
-                f"and {', '.join(sliced)}: the last stage sums each row's log-probs on one "
-                "device, and there each holds a slice of every row; drop the sequence split "
-                "(pipeline with data / fsdp / tensor), or pipeline=1")
+                "and mesh.sequence_parallel: the last stage sums each row's log-probs over "
+                "sequence only, not over a tensor split of the rows; set "
+                "mesh.sequence_parallel=false (pipeline with data / fsdp / tensor / "
+                "sequence), or pipeline=1")
 
     return check
 
