@@ -28,7 +28,6 @@ from dataclasses import replace
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
 
 from shardlib import contract, precision
 from shardlib.config import Config
@@ -247,24 +246,6 @@ def needs_reference(config: Config) -> bool:
     return config.train.objective == "dpo" and not config.lora.rank
 
 
-def check_run(gpt_check: contract.CheckFn | None):
-    """The GPT's checks, and a refusal of pipeline stages under Megatron sequence
-    parallelism (the staged loss sums a row's log-probs over ``sequence`` only)."""
-    def check(config: Config, mesh: Mesh) -> None:
-        if gpt_check is not None:
-            gpt_check(config, mesh)
-        sizes = dict(mesh.shape)
-        if sizes.get("pipeline", 1) > 1 and config.mesh.sequence_parallel:
-            raise ConfigError(
-                f"train.objective={config.train.objective} with pipeline={sizes['pipeline']} "
-                "and mesh.sequence_parallel: the last stage sums each row's log-probs over "
-                "sequence only, not over a tensor split of the rows; set "
-                "mesh.sequence_parallel=false (pipeline with data / fsdp / tensor / "
-                "sequence), or pipeline=1")
-
-    return check
-
-
 def preference_model(config: Config) -> contract.Model:
     """The built-in GPT of ``config.model`` trained on ``config.train.objective``'s loss
     over pairs (layout ``PAIR_BATCH``, plus ``REFERENCE_BATCH`` for DPO without LoRA)."""
@@ -272,7 +253,7 @@ def preference_model(config: Config) -> contract.Model:
     gpt = gpt_model(config)
     layout = PAIR_BATCH | (REFERENCE_BATCH if needs_reference(config) else {})
     return replace(gpt, loss=LOSSES[config.train.objective](config), batch=layout,
-                   capabilities=gpt.capabilities - DROPPED, check=check_run(gpt.check),
+                   capabilities=gpt.capabilities - DROPPED, check=gpt.check,
                    pipeline_stage=pipeline_stage, name=f"{gpt.name}+{config.train.objective}")
 
 
