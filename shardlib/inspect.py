@@ -42,6 +42,7 @@ from shardlib.errors import OutOfMemoryError
 from shardlib.mesh import capability_of, describe, platform_of
 from shardlib.parallel import tensor
 from shardlib.target import Target, parse_target
+from shardlib.train.lora_theory import lora_step_terms
 from shardlib.train.objective import explicit_fsdp_applies
 from shardlib.train.pipeline_theory import executed, step_comm_terms
 from shardlib.train.state import (
@@ -134,14 +135,25 @@ def analyze(config: Config, devices: list[jax.Device] | None = None, *,
     collectives = executed(parse_collectives(text, setup.mesh), config, setup.sizes)
     if not setup.model.has("planner"):
         return _analyze_tree(setup, compiled, state, batch, collectives, compile_s, target)
-    terms = step_comm_terms(config, setup.sizes, gather_bytes=gather_bytes(setup),
-                       act_bytes=activation_bytes(setup))
+    terms = comm_theory(setup, config)
     memory = memory_report(compiled, state, batch, state_bytes_per_device(config, setup.sizes),
                            platform_of(setup.mesh))
     flops = flops_report(setup.config, compiled, setup.mesh.devices.size)  # scan resolved
     facts = kernel_facts(text)
     return Inspection(setup, collectives, terms, memory, peak_formula(setup), flops, compile_s,
                       facts, compiled_attention(attention_kernel(setup), facts), target)
+
+
+def comm_theory(setup: TrainSetup, config: Config) -> list[Term]:
+    """The theory terms of ``config``'s step: a LoRA model's (frozen base, trained
+    adapters: ``train.lora_theory``; its layer scan as the setup resolved it) or the full
+    model's."""
+    dtypes = {"gather_bytes": gather_bytes(setup), "act_bytes": activation_bytes(setup)}
+    if config.lora.rank:
+        specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
+        return lora_step_terms(setup.config, setup.sizes, setup.abstract_params, specs,
+                               **dtypes)
+    return step_comm_terms(config, setup.sizes, **dtypes)
 
 
 def abstract_user_batch(setup: TrainSetup, batch: Mapping[str, Any]

@@ -3,7 +3,8 @@
 Each is the tiny GPT (batch 8 x 32 tokens) on 8 simulated CPU devices. Pure tensor
 parallelism over 8 devices needs 8 heads; head count changes no byte count. The pipeline
 cases run 1F1B (2 and 4 microbatches; twice under ``grad_accum=2``; with
-``pipeline.remat=keep``), ZB-H1 and interleaved 1F1B (2 chunks of one layer).
+``pipeline.remat=keep``), ZB-H1 and interleaved 1F1B (2 chunks of one layer). The
+``lora_`` cases train rank-4 adapters (the default targets) over a frozen base.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 
 import jax
 
-from shardlib.config import Config, MeshConfig, PipelineConfig
+from shardlib.config import Config, LoRAConfig, MeshConfig, PipelineConfig
 from shardlib.inspect import Inspection, analyze
 from tests.helpers import tiny_config
 
@@ -32,6 +33,9 @@ CASES: dict[str, tuple[MeshConfig, dict]] = {
     "pp_tp_keep": (MeshConfig(data=2, pipeline=2, tensor=2), {}),
     "pp_ep_tp": (MeshConfig(data=1, pipeline=2, expert=2, tensor=2),  # dropless MoE
                  {"num_experts": 4, "moe_every": 1, "moe_top_k": 2}),
+    "lora_dp_fsdp": (MeshConfig(data=2, fsdp=4), {}),
+    "lora_dp_fsdp_tp": (MeshConfig(data=2, fsdp=2, tensor=2), {}),
+    "lora_pp_dp_fsdp": (MeshConfig(data=2, pipeline=2, fsdp=2), {}),
 }
 EXTRA: dict[str, Callable[[Config], Config]] = {  # the pipeline cases' other settings
     "pp_interleaved": lambda c: dataclasses.replace(
@@ -40,6 +44,8 @@ EXTRA: dict[str, Callable[[Config], Config]] = {  # the pipeline cases' other se
         c, train=dataclasses.replace(c.train, grad_accum=2)),
     "pp_tp_zb": lambda c: dataclasses.replace(c, pipeline=PipelineConfig(schedule="zb-h1")),
     "pp_tp_keep": lambda c: dataclasses.replace(c, pipeline=PipelineConfig(remat="keep")),
+    **{name: lambda c: dataclasses.replace(c, lora=LoRAConfig(rank=4))
+       for name in ("lora_dp_fsdp", "lora_dp_fsdp_tp", "lora_pp_dp_fsdp")},
 }
 
 

@@ -165,14 +165,16 @@ def unit_elements(model: ModelConfig, sizes: Mapping[str, int]) -> tuple[float, 
     return outside, layers / model.num_layers
 
 
-def fsdp_terms(g: Geometry, regather: bool, gather_bytes: int | None = None) -> list[Term]:
+def fsdp_terms(g: Geometry, regather: bool, gather_bytes: int | None = None,
+               grads: bool = True) -> list[Term]:
     """ZeRO-3 over ``fsdp``: gather every weight for forward, gather each layer's weights
     again in backward when they were dropped after forward (``regather``:
     ``mesh.reshard_after_forward`` on the explicit paths), reduce-scatter the gradient:
     ``3 (F-1)/F P_t`` less the weights outside the layers, which are gathered once
     (embedding, final norm, head: used at both ends of the model), or ``2 (F-1)/F P_t``
     without the re-gather. ``gather_bytes``: bytes per element the weights travel in (the
-    compute dtype where the step casts before gathering: GPU/TPU)."""
+    compute dtype where the step casts before gathering: GPU/TPU). ``grads=False``: a
+    frozen base (LoRA), gathered but given no gradient to reduce-scatter."""
     f = g.n("fsdp")
     if f == 1:
         return []
@@ -180,8 +182,10 @@ def fsdp_terms(g: Geometry, regather: bool, gather_bytes: int | None = None) -> 
     p_t = g.params_tensor_split * scale
     terms = [
         _term("params all-gather", ["fsdp"], "all-gather", f, p_t, 1, "(F-1)/F P_t"),
-        _term("grads reduce-scatter", ["fsdp"], "reduce-scatter", f, p_t, 1, "(F-1)/F P_t"),
     ]
+    if grads:
+        terms.append(_term("grads reduce-scatter", ["fsdp"], "reduce-scatter", f, p_t, 1,
+                           "(F-1)/F P_t"))
     if regather:
         _, layer = unit_elements(g.model, g.sizes)
         p_layers = Fraction(round(layer * g.model.num_layers)) * g.param_bytes * scale
@@ -324,14 +328,22 @@ def expert_terms(g: Geometry) -> list[Term]:
 
 
 def comm_terms(config: Config, sizes: Mapping[str, int], param_bytes: int = PARAM_BYTES,
-               gather_bytes: int | None = None, act_bytes: int = ACT_BYTES) -> list[Term]:
+               gather_bytes: int | None = None, act_bytes: int = ACT_BYTES, *,
+               base_grads: bool = True) -> list[Term]:
     """Every expected collective pattern of one training step of ``config``
-    (``gather_bytes``: see ``fsdp_terms``; ``act_bytes``: the compute dtype's size)."""
+    (``gather_bytes``: see ``fsdp_terms``; ``act_bytes``: the compute dtype's size).
+    ``base_grads=False``: the model's weights are a frozen base (LoRA): their gathers and
+    the activations' collectives only (the adapters' terms: ``analysis.adapters``). XLA's
+    partitioner, which runs such a step, gathers each scanned layer's base again in
+    backward whatever ``mesh.reshard_after_forward`` says, and keeps unrolled layers'
+    gathered (measured)."""
     g = geometry(config, sizes, param_bytes, act_bytes)
-    regather = config.mesh.reshard_after_forward and tensor.gathers_by_hand(config, sizes)
-    return [*fsdp_terms(g, regather, gather_bytes), *replica_terms(g), *tensor_terms(g),
-            *context_terms(g, config.attention.context_parallel),
-            *expert_terms(g)]
+    regather = (config.mesh.reshard_after_forward and tensor.gathers_by_hand(config, sizes)
+                if base_grads else config.model.scan_layers is not False)
+    terms = [*fsdp_terms(g, regather, gather_bytes, grads=base_grads),
+             *(replica_terms(g) if base_grads else []), *tensor_terms(g),
+             *context_terms(g, config.attention.context_parallel), *expert_terms(g)]
+    return terms if base_grads else [t for t in terms if t.name != "norm-scale grads"]
 
 
 def comm_bytes_by_axis(terms: Iterable[Term]) -> dict[tuple[str, ...], int]:

@@ -69,11 +69,15 @@ from shardlib.train.pipeline_schedule import Schedule, build
 
 
 def step_comm_terms(config: Config, sizes: Mapping[str, int], param_bytes: int = PARAM_BYTES,
-                    gather_bytes: int | None = None, act_bytes: int = ACT_BYTES) -> list[Term]:
-    """``analysis.theory.comm_terms``, or for a pipelined mesh the terms of this module."""
+                    gather_bytes: int | None = None, act_bytes: int = ACT_BYTES, *,
+                    base_grads: bool = True) -> list[Term]:
+    """``analysis.theory.comm_terms``, or for a pipelined mesh the terms of this module
+    (``base_grads=False``: a frozen base, see ``comm_terms``)."""
     if not applies(sizes):
-        return comm_terms(config, sizes, param_bytes, gather_bytes, act_bytes)
-    return pipeline_terms(config, sizes, param_bytes, gather_bytes, act_bytes)
+        return comm_terms(config, sizes, param_bytes, gather_bytes, act_bytes,
+                          base_grads=base_grads)
+    return pipeline_terms(config, sizes, param_bytes, gather_bytes, act_bytes,
+                          base_grads=base_grads)
 
 
 def schedule_of(config: Config, sizes: Mapping[str, int]) -> Schedule:
@@ -83,15 +87,19 @@ def schedule_of(config: Config, sizes: Mapping[str, int]) -> Schedule:
 
 
 def pipeline_terms(config: Config, sizes: Mapping[str, int], param_bytes: int = PARAM_BYTES,
-                   gather_bytes: int | None = None, act_bytes: int = ACT_BYTES) -> list[Term]:
-    """Every expected collective pattern of one pipelined train step (module doc)."""
+                   gather_bytes: int | None = None, act_bytes: int = ACT_BYTES, *,
+                   base_grads: bool = True) -> list[Term]:
+    """Every expected collective pattern of one pipelined train step (module doc);
+    ``base_grads=False``: the weights are a frozen base, gathered but not reduced."""
     schedule = schedule_of(config, sizes)
     accum = max(config.train.grad_accum, 1)
     g = stage_geometry(config, sizes, schedule.microbatches, param_bytes, act_bytes)
+    replicas = stage_replica_terms(config, sizes, param_bytes) if base_grads else []
     return [*permute_terms(config, sizes, schedule, act_bytes, accum),
             *_times(deal_terms(config, sizes, schedule, param_bytes), accum, "A"),
-            *stage_fsdp_terms(config, sizes, schedule, accum, param_bytes, gather_bytes),
-            *_times(stage_replica_terms(config, sizes, param_bytes), accum, "A"),
+            *stage_fsdp_terms(config, sizes, schedule, accum, param_bytes, gather_bytes,
+                              grads=base_grads),
+            *_times(replicas, accum, "A"),
             *_times(stage_tensor_terms(g, schedule.split_backward, schedule.kept),
                     accum * schedule.microbatches, "A M"),
             *_times(stage_context_terms(g, config.attention.context_parallel,
@@ -183,8 +191,10 @@ def _per_layer(config: Config, sizes: Mapping[str, int]) -> bool:
 
 
 def stage_fsdp_terms(config: Config, sizes: Mapping[str, int], schedule: Schedule,
-                     accum: int, param_bytes: int, gather_bytes: int | None) -> list[Term]:
-    """ZeRO-3 over ``fsdp`` inside the stages (module doc)."""
+                     accum: int, param_bytes: int, gather_bytes: int | None,
+                     grads: bool = True) -> list[Term]:
+    """ZeRO-3 over ``fsdp`` inside the stages (module doc); ``grads=False``: the gathers
+    alone (a frozen base)."""
     f = sizes.get("fsdp", 1)
     if f == 1:
         return []
@@ -193,21 +203,23 @@ def stage_fsdp_terms(config: Config, sizes: Mapping[str, int], schedule: Schedul
     split, replicated = _outside_elements(config, sizes)
     whole = (layers + split + replicated) * frac
     if not _per_layer(config, sizes):
-        return [Term("stage params all-gather", ("fsdp",), "all-gather",
-                     round(accum * whole * scale), "A (F-1)/F P_stage"),
-                Term("stage grads reduce-scatter", ("fsdp",), "reduce-scatter",
-                     round(accum * whole * param_bytes), "A (F-1)/F P_stage")]
+        gathers = [Term("stage params all-gather", ("fsdp",), "all-gather",
+                        round(accum * whole * scale), "A (F-1)/F P_stage")]
+        scatters = [Term("stage grads reduce-scatter", ("fsdp",), "reduce-scatter",
+                         round(accum * whole * param_bytes), "A (F-1)/F P_stage")]
+        return gathers + scatters if grads else gathers
     ops = accum * schedule.microbatches * schedule.virtual
     fwd = (layers / schedule.virtual + split) * frac  # the forward uses no final norm
     bwd = (layers / schedule.virtual + split + replicated) * frac
     backwards = 2 if schedule.split_backward else 1  # ZB-H1: B and W each gather
-    return [Term("forward gathers", ("fsdp",), "all-gather", round(ops * fwd * scale),
-                 "A M V x (F-1)/F (P_chunk + embedding)"),
-            Term("backward gathers", ("fsdp",), "all-gather",
-                 round(backwards * ops * bwd * scale),
-                 "A M V x (F-1)/F (P_chunk + P_outside), twice under ZB-H1 (B and W)"),
-            Term("backward grads reduce-scatter", ("fsdp",), "reduce-scatter",
-                 round(ops * bwd * param_bytes), "A M V x (F-1)/F (P_chunk + P_outside)")]
+    gathers = [Term("forward gathers", ("fsdp",), "all-gather", round(ops * fwd * scale),
+                    "A M V x (F-1)/F (P_chunk + embedding)"),
+               Term("backward gathers", ("fsdp",), "all-gather",
+                    round(backwards * ops * bwd * scale),
+                    "A M V x (F-1)/F (P_chunk + P_outside), twice under ZB-H1 (B and W)")]
+    scatters = [Term("backward grads reduce-scatter", ("fsdp",), "reduce-scatter",
+                     round(ops * bwd * param_bytes), "A M V x (F-1)/F (P_chunk + P_outside)")]
+    return gathers + scatters if grads else gathers
 
 
 def stage_replica_terms(config: Config, sizes: Mapping[str, int],

@@ -1,0 +1,143 @@
+"""What a LoRA model's trained tree moves per step, read from its adapter factors (A and B
+of every adapted weight, ``models.lora``) and their ``PartitionSpec``s: the terms of the
+step XLA's partitioner runs (a LoRA model's, off the pipeline).
+
+The frozen base has no gradient; its gathers are FSDP's (``analysis.theory``). The
+adapters are merged where the weight is read (``W + s A B``), so the partitioner reduces
+the merged weight's gradient, which is partial over the batch shards, before it contracts
+it with A or B: every adapted weight's gradient is all-reduced over the batch axes, whole
+over ``fsdp`` and split over ``tensor`` as the weight is; A's and B's gradients follow on
+each device without more communication, except that a factor held whole on every tensor
+device beside a tensor-split one (``tensor.region_factors``) contracts over the split dim
+and is summed over ``tensor``. A and B are gathered over ``fsdp`` once (forward; the
+backward keeps them).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from shardlib.analysis.theory import Term
+from shardlib.annotations import declared_dims
+from shardlib.parallel.tensor import region_factors
+from shardlib.sharding import bytes_per_device, spec_axes
+
+FACTORS = ("lora_a", "lora_b")  # the attributes an adapter keeps A and B under
+STACK_DIMS = ("layers", "expert")  # leading dims an adapter keeps (``models.lora``)
+MERGED_GRAD_AXES = ("data", "fsdp", "expert", "sequence")  # the batch split over these
+
+
+@dataclass(frozen=True)
+class Factor:
+    """One adapter factor (A or B) as a device holds it."""
+
+    path: tuple
+    axes: frozenset[str]  # the mesh axes its spec splits it over
+    held: int  # bytes on a device, in its layout
+    gathered: int  # bytes on a device with fsdp's split undone (what a gather yields)
+    region: bool  # held whole on tensor beside a tensor-split partner: summed over tensor
+    stacked: bool  # has a leading stack dim (layers): inside the stages' layers
+
+    @property
+    def fsdp_split(self) -> bool:
+        return "fsdp" in self.axes
+
+
+def without_fsdp(spec: PartitionSpec) -> PartitionSpec:
+    """``spec`` with ``fsdp`` removed from every dim (the layout after FSDP's gather)."""
+    return PartitionSpec(*(tuple(a for a in ((e,) if isinstance(e, str) else e or ())
+                                 if a != "fsdp") or None for e in spec))
+
+
+def _is_factor(path: tuple) -> bool:
+    return bool(path) and getattr(path[-1], "key", path[-1]) in FACTORS
+
+
+def adapter_factors(params: nnx.State, specs: nnx.State,
+                    sizes: Mapping[str, int]) -> list[Factor]:
+    """Every adapter factor of the trained tree ``params`` (abstract values do), with its
+    bytes per device from ``specs``."""
+    flat_specs = dict(nnx.to_flat_state(specs))
+    region = dict(nnx.to_flat_state(region_factors(specs)))
+    out = []
+    for path, var in nnx.to_flat_state(params):
+        if not _is_factor(path):
+            continue
+        spec = flat_specs[path].get_value()
+        dims = declared_dims(var) or ()
+        out.append(Factor(path, frozenset(spec_axes(spec)),
+                          bytes_per_device(var.shape, var.dtype, spec, sizes),
+                          bytes_per_device(var.shape, var.dtype, without_fsdp(spec), sizes),
+                          sizes.get("tensor", 1) > 1 and bool(region[path].get_value()),
+                          bool(dims) and dims[0] in STACK_DIMS))
+    return out
+
+
+def adapted_weight_bytes(params: nnx.State, specs: nnx.State, sizes: Mapping[str, int],
+                         itemsize: int) -> int:
+    """Bytes on a device of every adapted weight ``W + s A B`` (``itemsize`` bytes per
+    element), whole over ``fsdp`` and split as the weight is over the other axes: its dims
+    and spec are A's before the rank and B's after it."""
+    flat = dict(nnx.to_flat_state(params))
+    flat_specs = dict(nnx.to_flat_state(specs))
+    total = 0
+    for path, a in flat.items():
+        if getattr(path[-1], "key", path[-1]) != FACTORS[0]:
+            continue
+        b_path = (*path[:-1], FACTORS[1])
+        b, spec_a, spec_b = flat[b_path], flat_specs[path].get_value(), flat_specs[
+            b_path].get_value()
+        lead = sum(d in STACK_DIMS for d in (declared_dims(b) or ()))  # B: (stack, r, outs)
+        shape = (*a.shape[:-1], *b.shape[lead + 1:])
+        spec = PartitionSpec(*_padded(spec_a, a.ndim)[:-1], *_padded(spec_b, b.ndim)[lead + 1:])
+        total += math.prod(shape) * itemsize // _shards(without_fsdp(spec), sizes)
+    return total
+
+
+def _padded(spec: PartitionSpec, ndim: int) -> tuple:
+    return (*spec, *(None,) * (ndim - len(spec)))
+
+
+def _shards(spec: PartitionSpec, sizes: Mapping[str, int]) -> int:
+    return math.prod(sizes.get(a, 1) for a in spec_axes(spec))
+
+
+def adapter_gather_terms(factors: list[Factor], sizes: Mapping[str, int],
+                         scale: Fraction = Fraction(1)) -> list[Term]:
+    """The fsdp-split factors gathered once: ``(F-1)/F A_F`` (``scale``: the dtype they
+    travel in over the parameters')."""
+    f = sizes.get("fsdp", 1)
+    gathered = sum(x.gathered for x in factors if x.fsdp_split)
+    if f == 1 or not gathered:
+        return []
+    return [Term("adapters all-gather", ("fsdp",), "all-gather",
+                 round(Fraction(f - 1, f) * gathered * scale), "(F-1)/F A_F")]
+
+
+def merged_grad_terms(weight_bytes: int, sizes: Mapping[str, int]) -> list[Term]:
+    """The adapted weights' gradient all-reduced over the axes that split the batch:
+    ``2 (n-1)/n W_adapted`` (``weight_bytes``: ``adapted_weight_bytes``)."""
+    axes = tuple(a for a in sizes if a in MERGED_GRAD_AXES and sizes[a] > 1)
+    n = math.prod(sizes[a] for a in axes)
+    if n == 1 or not weight_bytes:
+        return []
+    return [Term("adapted weights' grads all-reduce", axes, "all-reduce",
+                 round(Fraction(2 * (n - 1), n) * weight_bytes),
+                 f"2 (n-1)/n W_adapted, n = {' '.join(axes)}")]
+
+
+def region_grad_terms(factors: list[Factor], sizes: Mapping[str, int]) -> list[Term]:
+    """Factors held whole beside a tensor-split one, their gradient summed over tensor:
+    ``2 (t-1)/t A_region`` (gathered over fsdp: the partitioner computes them whole)."""
+    t = sizes.get("tensor", 1)
+    whole = sum(x.gathered for x in factors if x.region)
+    if t == 1 or not whole:
+        return []
+    return [Term("whole-held factors' grads all-reduce", ("tensor",), "all-reduce",
+                 round(Fraction(2 * (t - 1), t) * whole), "2 (t-1)/t A_region")]
