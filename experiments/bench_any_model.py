@@ -125,20 +125,37 @@ def time_pair(mesh: str, rounds: int, depth: int, batch: int, width: int) -> dic
     state, _ = ours(state, data)  # compile + warm
     params, opt, _ = theirs(params, opt, data)
     times = {"shardlib": [], "hand_written": []}
+    cpu = {"shardlib": [], "hand_written": []}  # process CPU time, all threads: the work
+    load = [_load()]
     for _ in range(rounds):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         state, metrics = ours(state, data)
         jax.block_until_ready(metrics["loss"])
         times["shardlib"].append(time.perf_counter() - t)
-        t = time.perf_counter()
+        cpu["shardlib"].append(time.process_time() - c)
+        t, c = time.perf_counter(), time.process_time()
         params, opt, loss = theirs(params, opt, data)
         jax.block_until_ready(loss)
         times["hand_written"].append(time.perf_counter() - t)
+        cpu["hand_written"].append(time.process_time() - c)
+    load.append(_load())
     ratios = [a / b for a, b in zip(times["shardlib"], times["hand_written"], strict=True)]
+    cpu_ratios = [a / b for a, b in zip(cpu["shardlib"], cpu["hand_written"], strict=True)]
     return {"mesh": mesh, "depth": depth, "batch": batch, "width": width,
             "shardlib_s": statistics.median(times["shardlib"]),
             "hand_written_s": statistics.median(times["hand_written"]),
-            "ratio": statistics.median(ratios)}
+            "ratio": statistics.median(ratios),
+            "shardlib_cpu_s": statistics.median(cpu["shardlib"]),
+            "hand_written_cpu_s": statistics.median(cpu["hand_written"]),
+            "cpu_ratio": statistics.median(cpu_ratios), "load": load}
+
+
+def _load() -> float | None:
+    """The host's 1-minute load average (None where /proc/loadavg is missing)."""
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def peak(mesh: str, depth: int, batch: int, width: int, target: str | None,
@@ -170,7 +187,9 @@ def main() -> None:
         "memory": []}
     for row in out["time"]:
         print(f"{row['mesh']:>7}: shardlib {row['shardlib_s'] * 1e3:.1f} ms, hand-written "
-              f"{row['hand_written_s'] * 1e3:.1f} ms, ratio {row['ratio']:.3f}")
+              f"{row['hand_written_s'] * 1e3:.1f} ms, ratio {row['ratio']:.3f}; CPU time "
+              f"{row['shardlib_cpu_s'] * 1e3:.0f} / {row['hand_written_cpu_s'] * 1e3:.0f} ms, "
+              f"ratio {row['cpu_ratio']:.3f}; load {row['load'][0]} -> {row['load'][1]}")
     for target in ([] if args.memory_only and args.target else [None]) + args.target:
         for remat in args.remat:
             dp, fsdp = (peak(mesh, args.depth, args.batch, args.width, target, remat)
