@@ -2,15 +2,16 @@
 of every adapted weight, ``models.lora``) and their ``PartitionSpec``s: the terms of the
 step XLA's partitioner runs (a LoRA model's, off the pipeline).
 
-The frozen base has no gradient; its gathers are FSDP's (``analysis.theory``). The
-adapters are merged where the weight is read (``W + s A B``), so the partitioner reduces
-the merged weight's gradient, which is partial over the batch shards, before it contracts
-it with A or B: every adapted weight's gradient is all-reduced over the batch axes, whole
-over ``fsdp`` and split over ``tensor`` as the weight is; A's and B's gradients follow on
-each device without more communication, except that a factor held whole on every tensor
-device beside a tensor-split one (``tensor.region_factors``) contracts over the split dim
-and is summed over ``tensor``. A and B are gathered over ``fsdp`` once (forward; the
-backward keeps them).
+The frozen base has no gradient; its gathers are FSDP's (``analysis.theory``). In
+training a weight the layers project through (attention, MLP, head) computes
+x W + s (x A) B, so A's and B's gradients are the only weight gradients: partial over the
+batch shards, each is all-reduced over the batch axes, whole over ``fsdp`` and split over
+``tensor`` as the factor is. Under ``tensor`` the low-rank activation (b, s, r) is partial
+where it contracts over a tensor-split dim: after x A of a row-split weight (forward) and
+after dy B^T of a column-split one (backward), one all-reduce each. The experts' weights
+are read whole, merged (``W + s A B``): their merged gradient is all-reduced over the
+batch axes and A's and B's follow from it. A and B are gathered over ``fsdp`` once
+(forward; the backward keeps them).
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ class Factor:
     gathered: int  # bytes on a device with fsdp's split undone (what a gather yields)
     region: bool  # held whole on tensor beside a tensor-split partner: summed over tensor
     stacked: bool  # has a leading stack dim (layers): inside the stages' layers
+    copies: int = 1  # adapters it holds: the product of its leading stack dims (layers)
+    merged: bool = False  # an expert's: read whole as W + s A B, never projected
+
+    @property
+    def projected(self) -> bool:
+        """Whether its weight is projected through the factors (``models.lora``)."""
+        return not self.merged
 
     @property
     def fsdp_split(self) -> bool:
@@ -71,24 +79,27 @@ def adapter_factors(params: nnx.State, specs: nnx.State,
             continue
         spec = flat_specs[path].get_value()
         dims = declared_dims(var) or ()
+        lead = [n for n, d in zip(var.shape, dims, strict=False) if d in STACK_DIMS]
         out.append(Factor(path, frozenset(spec_axes(spec)),
                           bytes_per_device(var.shape, var.dtype, spec, sizes),
                           bytes_per_device(var.shape, var.dtype, without_fsdp(spec), sizes),
                           sizes.get("tensor", 1) > 1 and bool(region[path].get_value()),
-                          bool(dims) and dims[0] in STACK_DIMS))
+                          bool(dims) and dims[0] in STACK_DIMS, math.prod(lead),
+                          "expert" in dims))
     return out
 
 
 def adapted_weight_bytes(params: nnx.State, specs: nnx.State, sizes: Mapping[str, int],
                          itemsize: int) -> int:
-    """Bytes on a device of every adapted weight ``W + s A B`` (``itemsize`` bytes per
-    element), whole over ``fsdp`` and split as the weight is over the other axes: its dims
-    and spec are A's before the rank and B's after it."""
+    """Bytes on a device of every merged adapted weight ``W + s A B`` (the experts';
+    ``itemsize`` bytes per element), whole over ``fsdp`` and split as the weight is over
+    the other axes: its dims and spec are A's before the rank and B's after it."""
     flat = dict(nnx.to_flat_state(params))
     flat_specs = dict(nnx.to_flat_state(specs))
     total = 0
     for path, a in flat.items():
-        if getattr(path[-1], "key", path[-1]) != FACTORS[0]:
+        if getattr(path[-1], "key", path[-1]) != FACTORS[0] or \
+                "expert" not in (declared_dims(a) or ()):  # the projected ones: factored
             continue
         b_path = (*path[:-1], FACTORS[1])
         b, spec_a, spec_b = flat[b_path], flat_specs[path].get_value(), flat_specs[
@@ -121,9 +132,9 @@ def adapter_gather_terms(factors: list[Factor], sizes: Mapping[str, int],
 
 
 def merged_grad_terms(weight_bytes: int, sizes: Mapping[str, int]) -> list[Term]:
-    """The adapted weights' gradient all-reduced over the axes that split the batch:
-    ``2 (n-1)/n W_adapted`` (``weight_bytes``: ``adapted_weight_bytes``)."""
-    axes = tuple(a for a in sizes if a in MERGED_GRAD_AXES and sizes[a] > 1)
+    """The merged (experts') adapted weights' gradient all-reduced over the axes that
+    split the batch: ``2 (n-1)/n W_adapted`` (``weight_bytes``: ``adapted_weight_bytes``)."""
+    axes = batch_axes(sizes)
     n = math.prod(sizes[a] for a in axes)
     if n == 1 or not weight_bytes:
         return []
@@ -132,12 +143,33 @@ def merged_grad_terms(weight_bytes: int, sizes: Mapping[str, int]) -> list[Term]
                  f"2 (n-1)/n W_adapted, n = {' '.join(axes)}")]
 
 
-def region_grad_terms(factors: list[Factor], sizes: Mapping[str, int]) -> list[Term]:
-    """Factors held whole beside a tensor-split one, their gradient summed over tensor:
-    ``2 (t-1)/t A_region`` (gathered over fsdp: the partitioner computes them whole)."""
-    t = sizes.get("tensor", 1)
-    whole = sum(x.gathered for x in factors if x.region)
-    if t == 1 or not whole:
+def batch_axes(sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """The mesh axes the batch is split over (in mesh order): a weight gradient's partial."""
+    return tuple(a for a in sizes if a in MERGED_GRAD_AXES and sizes[a] > 1)
+
+
+def factor_grad_terms(factors: list[Factor], sizes: Mapping[str, int]) -> list[Term]:
+    """The projected factors' gradients all-reduced over the batch axes:
+    ``2 (n-1)/n A_F`` (whole over fsdp, as the partitioner forms them)."""
+    axes = batch_axes(sizes)
+    n = math.prod(sizes[a] for a in axes)
+    whole = sum(x.gathered for x in factors if x.projected)
+    if n == 1 or not whole:
         return []
-    return [Term("whole-held factors' grads all-reduce", ("tensor",), "all-reduce",
-                 round(Fraction(2 * (t - 1), t) * whole), "2 (t-1)/t A_region")]
+    return [Term("adapter grads all-reduce", axes, "all-reduce",
+                 round(Fraction(2 * (n - 1), n) * whole),
+                 f"2 (n-1)/n A_F, n = {' '.join(axes)}")]
+
+
+def low_rank_tensor_terms(factors: list[Factor], sizes: Mapping[str, int],
+                          low_rank_act: Fraction) -> list[Term]:
+    """Each projected adapter of a tensor-split weight (one whole-held factor each) sums
+    its low-rank activation over tensor once: ``2 (t-1)/t b s r`` per adapter
+    (``low_rank_act``: b s r on a device, in the compute dtype)."""
+    t = sizes.get("tensor", 1)
+    adapters = sum(x.copies for x in factors if x.region and x.projected)
+    if t == 1 or not adapters:
+        return []
+    return [Term("low-rank activations", ("tensor",), "all-reduce",
+                 round(adapters * Fraction(2 * (t - 1), t) * low_rank_act),
+                 "N_adapters,t x 2 (t-1)/t b s r")]

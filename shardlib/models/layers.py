@@ -190,18 +190,19 @@ class Attention(nnx.Module):
         """q (B, T, H, K) and k, v (B, T, KV, K), biases added, q and k head-normed
         when ``qk_norm`` (before RoPE, which the caller applies)."""
         # One einsum for q, k, v: under TP their input gradients are summed before the one
-        # all-reduce (Megatron's f), not all-reduced one by one.
-        if not fusable(self.w_q_dhk, self.w_k_dhk, self.w_v_dhk):  # LoRA dropout: one by one
-            q_bthk, k_bthk, v_bthk = (project("btd,dhk->bthk", x_btd, w)
-                                      for w in (self.w_q_dhk, self.w_k_dhk, self.w_v_dhk))
-        elif self.w_k_dhk.shape == self.w_q_dhk.shape:
-            w_cdhk = hooks.gathered(
-                jnp.stack([self.w_q_dhk[...], self.w_k_dhk[...], self.w_v_dhk[...]]))
-            q_bthk, k_bthk, v_bthk = linear("btd,cdhk->cbthk", x_btd, w_cdhk)  # 3 x (B,T,H,K)
+        # all-reduce (Megatron's f), not all-reduced one by one; LoRA's terms are added.
+        spec = "btd,dhk->bthk"
+        if self.w_k_dhk.shape == self.w_q_dhk.shape:
+            ws = (self.w_q_dhk, self.w_k_dhk, self.w_v_dhk)
+            w_cdhk = hooks.gathered(jnp.stack([frozen(w) for w in ws]))
+            q_bthk, k_bthk, v_bthk = plus_low_rank(  # 3 x (B,T,H,K)
+                linear("btd,cdhk->cbthk", x_btd, w_cdhk), spec, x_btd, ws)
         else:  # GQA: K/V have fewer heads than q
-            q_bthk = linear("btd,dhk->bthk", x_btd, self.w_q_dhk[...])
-            w_cdhk = hooks.gathered(jnp.stack([self.w_k_dhk[...], self.w_v_dhk[...]]))
-            k_bthk, v_bthk = linear("btd,cdhk->cbthk", x_btd, w_cdhk)  # 2 x (B,T,KV,K)
+            q_bthk = project(spec, x_btd, self.w_q_dhk)
+            ws = (self.w_k_dhk, self.w_v_dhk)
+            w_cdhk = hooks.gathered(jnp.stack([frozen(w) for w in ws]))
+            k_bthk, v_bthk = plus_low_rank(  # 2 x (B,T,KV,K)
+                linear("btd,cdhk->cbthk", x_btd, w_cdhk), spec, x_btd, ws)
         if self.qkv_bias:
             q_bthk, k_bthk, v_bthk = (q_bthk + self.b_q_hk[...], k_bthk + self.b_k_hk[...],
                                       v_bthk + self.b_v_hk[...])
@@ -220,9 +221,21 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 class OwnProjection(nnx.Module):
     """A weight-like module that may project an activation itself (``project``) rather
-    than be read whole (``w[...]``): a LoRA adapter with dropout (``models.lora``)."""
+    than be read whole (``w[...]``): a LoRA adapter in training (``models.lora``), whose
+    projection is an einsum with a frozen weight (``frozen``) plus a term of its own
+    (``low_rank``)."""
 
-    projects: bool = False  # whether ``project`` must be used now
+    def frozen(self) -> jax.Array:
+        return self[...]
+
+    def low_rank(self, spec: str, x: jax.Array) -> jax.Array | None:
+        return None
+
+    @staticmethod
+    def joint_low_rank(spec: str, x: jax.Array, ws: list[OwnProjection]
+                       ) -> list[jax.Array | None]:
+        """``low_rank`` of each of ``ws`` (one kind) on the same x; a kind may share work."""
+        return [w.low_rank(spec, x) for w in ws]
 
     def project(self, spec: str, x: jax.Array) -> jax.Array:
         return linear(spec, x, self[...])
@@ -235,10 +248,30 @@ def project(spec: str, x: jax.Array, w: nnx.Variable | OwnProjection) -> jax.Arr
     return linear(spec, x, w[...])
 
 
-def fusable(*ws: nnx.Variable | OwnProjection) -> bool:
-    """Whether the weights may be read whole and stacked for one einsum (none projects
-    itself now)."""
-    return not any(isinstance(w, OwnProjection) and w.projects for w in ws)
+def frozen(w: nnx.Variable | OwnProjection) -> jax.Array:
+    """What an einsum over stacked weights reads of ``w``: ``w[...]``, or an adapter's
+    frozen weight when its factors add their own term (``low_rank``)."""
+    return w.frozen() if isinstance(w, OwnProjection) else w[...]
+
+
+def low_rank(spec: str, x: jax.Array, w: nnx.Variable | OwnProjection) -> jax.Array | None:
+    """The term ``w`` adds to ``einsum(spec, x, frozen(w))`` itself (a LoRA adapter's
+    s drop(x) A B in training), or None."""
+    return w.low_rank(spec, x) if isinstance(w, OwnProjection) else None
+
+
+def plus_low_rank(outs: Sequence[jax.Array], spec: str, x: jax.Array,
+                  ws: Sequence[nnx.Variable | OwnProjection]) -> list[jax.Array]:
+    """Each output of a stacked einsum plus its weight's ``low_rank`` term: the frozen
+    weights stay one einsum (under TP one input-gradient all-reduce for all of them), and
+    weights of one kind may share their terms' work (``joint_low_rank``)."""
+    kinds = {type(w) for w in ws}
+    if len(kinds) == 1 and issubclass(kind := kinds.pop(), OwnProjection):
+        extras = kind.joint_low_rank(spec, x, list(ws))
+    else:
+        extras = [low_rank(spec, x, w) for w in ws]
+    return [out if extra is None else out + extra
+            for out, extra in zip(outs, extras, strict=True)]
 
 
 def linear(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -345,11 +378,12 @@ class MLP(nnx.Module):
         weights (under TP, one input-gradient all-reduce), or two when the layer orders
         its backward (``remat``), so each is saved as a stack of its own that the TPU
         compiler's backward reads in place rather than copying out of a joint layout."""
-        if ordered_backward() or not fusable(self.w_gate_df, self.w_in_df):
-            return (project("btd,df->btf", x_btd, self.w_gate_df),
-                    project("btd,df->btf", x_btd, self.w_in_df))
-        w_cdf = hooks.gathered(jnp.stack([self.w_gate_df[...], self.w_in_df[...]]))
-        gate_btf, h_btf = linear("btd,cdf->cbtf", x_btd, w_cdf)
+        ws = (self.w_gate_df, self.w_in_df)
+        if ordered_backward():
+            return tuple(project("btd,df->btf", x_btd, w) for w in ws)
+        w_cdf = hooks.gathered(jnp.stack([frozen(w) for w in ws]))
+        gate_btf, h_btf = plus_low_rank(linear("btd,cdf->cbtf", x_btd, w_cdf),
+                                        "btd,df->btf", x_btd, ws)
         return gate_btf, h_btf
 
 

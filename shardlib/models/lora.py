@@ -6,15 +6,18 @@ out dims) are ``nnx.LoRAParam``\\ s (Flax's own type, a ``Param`` subclass), so 
 contract's ``trainable=nnx.LoRAParam`` trains them alone and W, frozen, is neither
 differentiated nor given optimizer state. s = alpha / r (rsLoRA: alpha / sqrt(r)).
 
-The adapter is merged into the weight where the weight is read (``w[...]``), so every
+Where the weight is read whole (``w[...]``) the adapter is merged into it, so every
 einsum of the model, scanned layers and decoding included, sees it without change; A
 takes the logical names of W's in dims and B those of its out dims, so the rules split
 them as they split W (FSDP over ``embed``, tensor parallelism over ``heads`` / ``mlp``).
 Leading ``layers`` / ``expert`` dims (stacked layers) are kept on A and B.
 
-Dropout (peft's ``lora_dropout``) acts on the adapter's input x, not on its weights, so a
-weight with dropout in training is not merged: the layer projects through it
-(``layers.project``), which computes x W + s drop(x) A B as peft does. The key is one per
+In training a weight the layer projects through (``layers.project``, or ``layers.frozen``
++ ``layers.low_rank`` beside other weights in one einsum: the GPT's attention, MLP and
+head) is not merged: it computes x W + s drop(x) A B as peft does, so the weight gradient
+autodiff forms, and reduces over the batch shards, is A's and B's alone (a merged
+weight's would be weight-sized). Dropout (peft's ``lora_dropout``) acts on the adapter's
+input x, not on its weights, so a weight read whole is refused with it. The key is one per
 loss call, drawn from a key the model keeps in its non-trained state (``DropoutKey``,
 advanced each call, so each step and microbatch draws afresh) and folded with each
 adapter's own salt (one per stacked layer), so every layer draws its own mask inside the
@@ -67,9 +70,23 @@ def scale(cfg: LoRAConfig) -> float:
     return cfg.alpha / (cfg.rank ** 0.5 if cfg.rslora else cfg.rank)
 
 
+class _Dims:
+    """The einsum specs of a factored projection, from the weight's ``x,W->out`` spec and
+    the number of W's in dims: x A (``down``) and h B (``up``), rank dim ``z``."""
+
+    def __init__(self, spec: str, ins: int):
+        operands, out = spec.split("->")
+        x_dims, w_dims = operands.split(",")
+        w_in, w_out = w_dims[:ins], w_dims[ins:]
+        rest = "".join(c for c in x_dims if c not in w_in)
+        self.ins = ins
+        self.down = f"{x_dims},{w_in}z->{rest}z"
+        self.up = f"{rest}z,z{w_out}->{out}"
+
+
 class Adapted(OwnProjection):
-    """A frozen weight and its low-rank adapter; reads (``[...]``) as W + s A B, and
-    projects (``project``) as x W + s drop(x) A B when its dropout is on."""
+    """A frozen weight and its low-rank adapter; reads (``[...]``) as W + s A B, and in
+    training projects (``project``) as x W + s drop(x) A B."""
 
     def __init__(self, base: nnx.Param, *, rank: int, scale: float, rngs: nnx.Rngs,
                  dtype: Any = None, dropout: float = 0.0, cfg: LoRAConfig | None = None):
@@ -129,7 +146,7 @@ class Adapted(OwnProjection):
 
     def merged(self) -> jax.Array:
         """W + s A B in W's dtype."""
-        if self.projects:
+        if self.drops:
             raise ConfigError(
                 f"lora.dropout={self.dropout}: a weight with dropout was read whole in training "
                 "(not projected through layers.project, e.g. a fused, expert or nnx.Linear "
@@ -138,30 +155,78 @@ class Adapted(OwnProjection):
         return w + self.delta().astype(w.dtype)
 
     @property
-    def projects(self) -> bool:
+    def drops(self) -> bool:
         """Whether dropout is on now: a rate, training mode, and a loss's key."""
         return bool(self.dropout) and not self.deterministic and _KEY.get() is not None
 
-    def project(self, spec: str, x: jax.Array) -> jax.Array:
-        """``einsum(spec, x, W + s A B)`` (``spec`` reads ``x,W->out``), but with x dropped
-        out on the adapter's path alone (peft): x W + s drop(x) A B."""
+    @property
+    def projects(self) -> bool:
+        """Whether a projection goes through the factors (training mode): x W + s (x A) B,
+        as peft computes it, so that autodiff forms A's and B's gradients alone, never a
+        weight-sized one (whose reduction over the batch shards would move the weight's
+        bytes, and whose matmul would cost full fine-tuning's)."""
+        return not self.deterministic
+
+    def _factored(self) -> bool:
+        """Whether this read goes through the factors: in training, on one layer's weight
+        (inside the layer scan; a stacked weight read whole is merged)."""
         if not self.projects:
-            return linear(spec, x, self[...])
-        operands, out = spec.split("->")
-        x_dims, w_dims = operands.split(",")
-        a, b = self.lora_a[...], self.lora_b[...]
-        if a.ndim != self.ins + 1 or len(w_dims) != len(self.shape):
-            raise ConfigError(f"lora.dropout={self.dropout}: {spec!r} reads a stacked weight "
-                              "whole; dropout needs one layer's weight (a layer scan)")
-        ins, outs = w_dims[:self.ins], w_dims[self.ins:]
-        rest = "".join(c for c in x_dims if c not in ins)
+            return False
+        if self.lora_a.ndim == self.ins + 1:
+            return True
+        if self.drops:
+            raise ConfigError(f"lora.dropout={self.dropout}: a stacked weight is read whole; "
+                              "dropout needs one layer's weight (a layer scan)")
+        return False
+
+    def frozen(self) -> jax.Array:
+        """What an einsum reads of the weight (``layers.frozen``): W alone when the
+        factors project (``low_rank`` adds the rest), else W + s A B."""
+        return self.base[...] if self._factored() else self.merged()
+
+    def low_rank(self, spec: str, x: jax.Array) -> jax.Array | None:
+        """s drop(x) A B in ``spec``'s output layout (``spec`` reads ``x,W->out``), when the
+        factors project; else None (``frozen`` was merged)."""
+        if not self._factored():
+            return None
+        dims = _Dims(spec, self.ins)
+        a, _ = self.gathered_adapter()
+        return self.up(dims, jnp.einsum(dims.down, self.dropped(x), a.astype(x.dtype)))
+
+    def up(self, dims: _Dims, h: jax.Array) -> jax.Array:
+        """s h B from the low-rank activation h = drop(x) A, in the output's dtype."""
+        _, b = self.gathered_adapter()
+        return (jnp.einsum(dims.up, h, b.astype(h.dtype)) * self.scale).astype(h.dtype)
+
+    @staticmethod
+    def joint_low_rank(spec: str, x: jax.Array, adapters: list[Adapted]
+                       ) -> list[jax.Array | None]:
+        """Each adapter's ``low_rank`` of one input x, the down-projections as one einsum
+        over their A's side by side (x is read once) when all project without dropout."""
+        dims = _Dims(spec, adapters[0].ins)
+        if len(adapters) < 2 or any(not w._factored() or w.drops or w.ins != dims.ins
+                                    for w in adapters):
+            return [w.low_rank(spec, x) for w in adapters]
+        a_all = jnp.concatenate([w.gathered_adapter()[0].astype(x.dtype) for w in adapters], -1)
+        h_all = jnp.einsum(dims.down, x, a_all)
+        cuts = np.cumsum([w.lora_a.shape[-1] for w in adapters])[:-1]
+        return [w.up(dims, h) for w, h in zip(adapters, jnp.split(h_all, cuts, -1),
+                                              strict=True)]
+
+    def project(self, spec: str, x: jax.Array) -> jax.Array:
+        """``einsum(spec, x, W + s A B)``; in training x W + s drop(x) A B (peft)."""
+        y = linear(spec, x, self.frozen())
+        extra = self.low_rank(spec, x)
+        return y if extra is None else y + extra
+
+    def dropped(self, x: jax.Array) -> jax.Array:
+        """``x`` with peft's dropout when it is on (``drops``), else as it is."""
+        if not self.drops:
+            return x
         key = jax.random.fold_in(_KEY.get(), self.salt[...])
         keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape,
                                     out_sharding=jax.typeof(x).sharding)
-        dropped = jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros_like(x))
-        h = jnp.einsum(f"{x_dims},{ins}z->{rest}z", dropped, a.astype(x.dtype))
-        y = jnp.einsum(f"{rest}z,z{outs}->{out}", h, b.astype(x.dtype))
-        return linear(spec, x, self.base[...]) + (y * self.scale).astype(x.dtype)
+        return jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros_like(x))
 
 
 # --- finding and wrapping the targets ------------------------------------------------------

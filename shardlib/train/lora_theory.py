@@ -2,10 +2,11 @@
 the frozen base's gathers and the activations' collectives of the full model's theory
 (``step_comm_terms`` with ``base_grads=False``), and the adapters' own terms.
 
-Off the pipeline XLA's partitioner runs the step (``analysis.adapters``): the adapted
-weights' merged gradient is all-reduced over the batch axes, the whole-held factors'
-summed over ``tensor``, and the fsdp-split factors gathered once; under ``tensor`` the
-partitioner gathers the head weight once more over ``fsdp``. The pipeline's stages
+Off the pipeline XLA's partitioner runs the step (``analysis.adapters``): the factors'
+gradients (an expert's merged weight's) are all-reduced over the batch axes, the low-rank
+activations of tensor-split weights summed over ``tensor``, and the fsdp-split factors
+gathered once; under ``tensor`` the partitioner gathers the head weight once more over
+``fsdp``. The pipeline's stages
 differentiate the adapters alone (``train.pipeline``): per forward and backward op they
 gather the fsdp-split factors with the base, reduce-scatter those factors' gradients,
 and after the schedule all-reduce each factor over the axes of ``partial_axes`` that do
@@ -25,10 +26,11 @@ from shardlib.analysis.adapters import (
     adapted_weight_bytes,
     adapter_factors,
     adapter_gather_terms,
+    factor_grad_terms,
+    low_rank_tensor_terms,
     merged_grad_terms,
-    region_grad_terms,
 )
-from shardlib.analysis.theory import ACT_BYTES, PARAM_BYTES, Term
+from shardlib.analysis.theory import ACT_BYTES, PARAM_BYTES, Term, geometry
 from shardlib.config import Config
 from shardlib.train.pipeline import partial_axes
 from shardlib.train.pipeline_check import applies
@@ -50,9 +52,12 @@ def lora_step_terms(config: Config, sizes: Mapping[str, int], params: nnx.State,
         return [*base, *stage_adapter_fsdp_terms(factors, config, sizes, schedule, accum, scale),
                 *stage_adapter_replica_terms(factors, config, sizes, accum)]
     weights = adapted_weight_bytes(params, specs, sizes, act_bytes)
+    g = geometry(config, sizes, param_bytes, act_bytes=act_bytes)
+    low_rank_act = g.local_batch * g.local_seq * config.lora.rank * act_bytes
     return [*base, *adapter_gather_terms(factors, sizes, scale),
             *head_regather_terms(config, sizes, param_bytes * scale),
-            *merged_grad_terms(weights, sizes), *region_grad_terms(factors, sizes)]
+            *factor_grad_terms(factors, sizes), *merged_grad_terms(weights, sizes),
+            *low_rank_tensor_terms(factors, sizes, low_rank_act)]
 
 
 def head_regather_terms(config: Config, sizes: Mapping[str, int],
