@@ -26,12 +26,12 @@ from jax.sharding import PartitionSpec
 
 from shardlib.analysis.theory import Term
 from shardlib.annotations import declared_dims
+from shardlib.models.lora import FACTORS, STACK_DIMS
+from shardlib.parallel.fsdp import restrict_spec
 from shardlib.parallel.tensor import region_factors
 from shardlib.sharding import bytes_per_device, spec_axes
 
-FACTORS = ("lora_a", "lora_b")  # the attributes an adapter keeps A and B under
-STACK_DIMS = ("layers", "expert")  # leading dims an adapter keeps (``models.lora``)
-MERGED_GRAD_AXES = ("data", "fsdp", "expert", "sequence")  # the batch split over these
+GRAD_PARTIAL_AXES = ("data", "fsdp", "expert", "sequence")  # the batch split over these
 
 
 @dataclass(frozen=True)
@@ -48,19 +48,19 @@ class Factor:
     merged: bool = False  # an expert's: read whole as W + s A B, never projected
 
     @property
-    def projected(self) -> bool:
-        """Whether its weight is projected through the factors (``models.lora``)."""
-        return not self.merged
-
-    @property
     def fsdp_split(self) -> bool:
         return "fsdp" in self.axes
 
 
 def without_fsdp(spec: PartitionSpec) -> PartitionSpec:
     """``spec`` with ``fsdp`` removed from every dim (the layout after FSDP's gather)."""
-    return PartitionSpec(*(tuple(a for a in ((e,) if isinstance(e, str) else e or ())
-                                 if a != "fsdp") or None for e in spec))
+    return restrict_spec(spec, lambda axis: axis != "fsdp")
+
+
+def read_merged(dims: tuple) -> bool:
+    """Whether an adapted weight with these logical dims is read whole, merged: an
+    expert's (the layers project the others through their factors, ``models.lora``)."""
+    return "expert" in dims
 
 
 def _is_factor(path: tuple) -> bool:
@@ -85,7 +85,7 @@ def adapter_factors(params: nnx.State, specs: nnx.State,
                           bytes_per_device(var.shape, var.dtype, without_fsdp(spec), sizes),
                           sizes.get("tensor", 1) > 1 and bool(region[path].get_value()),
                           bool(dims) and dims[0] in STACK_DIMS, math.prod(lead),
-                          "expert" in dims))
+                          read_merged(dims)))
     return out
 
 
@@ -99,7 +99,7 @@ def adapted_weight_bytes(params: nnx.State, specs: nnx.State, sizes: Mapping[str
     total = 0
     for path, a in flat.items():
         if getattr(path[-1], "key", path[-1]) != FACTORS[0] or \
-                "expert" not in (declared_dims(a) or ()):  # the projected ones: factored
+                not read_merged(declared_dims(a) or ()):
             continue
         b_path = (*path[:-1], FACTORS[1])
         b, spec_a, spec_b = flat[b_path], flat_specs[path].get_value(), flat_specs[
@@ -131,34 +131,34 @@ def adapter_gather_terms(factors: list[Factor], sizes: Mapping[str, int],
                  round(Fraction(f - 1, f) * gathered * scale), "(F-1)/F A_F")]
 
 
-def merged_grad_terms(weight_bytes: int, sizes: Mapping[str, int]) -> list[Term]:
-    """The merged (experts') adapted weights' gradient all-reduced over the axes that
-    split the batch: ``2 (n-1)/n W_adapted`` (``weight_bytes``: ``adapted_weight_bytes``)."""
-    axes = batch_axes(sizes)
-    n = math.prod(sizes[a] for a in axes)
-    if n == 1 or not weight_bytes:
-        return []
-    return [Term("adapted weights' grads all-reduce", axes, "all-reduce",
-                 round(Fraction(2 * (n - 1), n) * weight_bytes),
-                 f"2 (n-1)/n W_adapted, n = {' '.join(axes)}")]
-
-
 def batch_axes(sizes: Mapping[str, int]) -> tuple[str, ...]:
     """The mesh axes the batch is split over (in mesh order): a weight gradient's partial."""
-    return tuple(a for a in sizes if a in MERGED_GRAD_AXES and sizes[a] > 1)
+    return tuple(a for a in sizes if a in GRAD_PARTIAL_AXES and sizes[a] > 1)
+
+
+def batch_all_reduce(name: str, nbytes: int, symbol: str, sizes: Mapping[str, int]
+                     ) -> list[Term]:
+    """``nbytes`` of gradient all-reduced over ``batch_axes``: ``2 (n-1)/n symbol``."""
+    axes = batch_axes(sizes)
+    n = math.prod(sizes[a] for a in axes)
+    if n == 1 or not nbytes:
+        return []
+    return [Term(name, axes, "all-reduce", round(Fraction(2 * (n - 1), n) * nbytes),
+                 f"2 (n-1)/n {symbol}, n = {' '.join(axes)}")]
+
+
+def merged_grad_terms(weight_bytes: int, sizes: Mapping[str, int]) -> list[Term]:
+    """The merged (experts') adapted weights' gradient all-reduced over the axes that
+    split the batch (``weight_bytes``: ``adapted_weight_bytes``)."""
+    return batch_all_reduce("adapted weights' grads all-reduce", weight_bytes, "W_adapted",
+                            sizes)
 
 
 def factor_grad_terms(factors: list[Factor], sizes: Mapping[str, int]) -> list[Term]:
-    """The projected factors' gradients all-reduced over the batch axes:
-    ``2 (n-1)/n A_F`` (whole over fsdp, as the partitioner forms them)."""
-    axes = batch_axes(sizes)
-    n = math.prod(sizes[a] for a in axes)
-    whole = sum(x.gathered for x in factors if x.projected)
-    if n == 1 or not whole:
-        return []
-    return [Term("adapter grads all-reduce", axes, "all-reduce",
-                 round(Fraction(2 * (n - 1), n) * whole),
-                 f"2 (n-1)/n A_F, n = {' '.join(axes)}")]
+    """The projected factors' gradients all-reduced over the batch axes, whole over fsdp
+    as the partitioner forms them."""
+    whole = sum(x.gathered for x in factors if not x.merged)
+    return batch_all_reduce("adapter grads all-reduce", whole, "A_F", sizes)
 
 
 def low_rank_tensor_terms(factors: list[Factor], sizes: Mapping[str, int],
@@ -167,7 +167,7 @@ def low_rank_tensor_terms(factors: list[Factor], sizes: Mapping[str, int],
     its low-rank activation over tensor once: ``2 (t-1)/t b s r`` per adapter
     (``low_rank_act``: b s r on a device, in the compute dtype)."""
     t = sizes.get("tensor", 1)
-    adapters = sum(x.copies for x in factors if x.region and x.projected)
+    adapters = sum(x.copies for x in factors if x.region and not x.merged)
     if t == 1 or not adapters:
         return []
     return [Term("low-rank activations", ("tensor",), "all-reduce",

@@ -25,9 +25,9 @@ from shardlib.models.layers import (
     RMSNorm,
     RopeScaling,
     frozen,
-    low_rank,
     normal,
     param,
+    plus_low_rank,
     remat,
     remat_sublayer,
     run_unit,
@@ -171,9 +171,9 @@ class GPT(nnx.Module):
         x_btd = hooks.enter_region(self.final_norm(x_btd))  # f: the head is vocab-parallel
         if self.cfg.tie_embeddings:
             return self.embed.attend(x_btd)
-        logits_btv = jnp.einsum("btd,dv->btv", x_btd, frozen(self.w_head_dv))
-        extra = low_rank("btd,dv->btv", x_btd, self.w_head_dv)  # a LoRA adapter's, training
-        logits_btv = logits_btv if extra is None else logits_btv + extra
+        spec = "btd,dv->btv"  # a LoRA adapter's own term added in training
+        (logits_btv,) = plus_low_rank([jnp.einsum(spec, x_btd, frozen(self.w_head_dv))],
+                                      spec, x_btd, [self.w_head_dv])
         return constrain(logits_btv, ("act_batch", "act_seq", "act_vocab"))
 
 

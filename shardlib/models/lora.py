@@ -43,7 +43,7 @@ from shardlib.config import LoRAConfig
 from shardlib.contract import Model
 from shardlib.errors import ConfigError
 from shardlib.models import quant
-from shardlib.models.layers import OwnProjection, linear
+from shardlib.models.layers import OwnProjection, linear, plus_low_rank
 
 STACK_DIMS = ("layers", "expert")  # leading dims an adapter keeps (one adapter per layer)
 BASE = "base"  # the attribute an ``Adapted`` keeps the frozen weight under
@@ -215,9 +215,7 @@ class Adapted(OwnProjection):
 
     def project(self, spec: str, x: jax.Array) -> jax.Array:
         """``einsum(spec, x, W + s A B)``; in training x W + s drop(x) A B (peft)."""
-        y = linear(spec, x, self.frozen())
-        extra = self.low_rank(spec, x)
-        return y if extra is None else y + extra
+        return plus_low_rank([linear(spec, x, self.frozen())], spec, x, [self])[0]
 
     def dropped(self, x: jax.Array) -> jax.Array:
         """``x`` with peft's dropout when it is on (``drops``), else as it is."""

@@ -60,10 +60,17 @@ def token_logps(module: nnx.Module, inputs_bt: jax.Array, targets_bt: jax.Array,
     return -losses_bt.astype(jnp.float32) * mask_bt.astype(jnp.float32)
 
 
-def sequence_logps(logps_bt: jax.Array, mask_bt: jax.Array, mean: bool = False) -> jax.Array:
-    """Each row's summed (``mean``: averaged over its masked targets) log-probs (B,)."""
-    logps_b = jnp.sum(logps_bt, axis=-1)
-    return logps_b / jnp.sum(mask_bt.astype(jnp.float32), axis=-1) if mean else logps_b
+def sequence_logps(logps_bt: jax.Array, mask_bt: jax.Array, mean: bool = False,
+                   over: tuple[str, ...] = ()) -> jax.Array:
+    """Each row's summed (``mean``: averaged over its masked targets) log-probs (B,);
+    inside shard_map, of rows whose tokens are split over the mesh axes ``over`` (each
+    device's partial sums summed there: every device then holds the whole rows')."""
+    def total(x_bt: jax.Array) -> jax.Array:
+        x_b = jnp.sum(x_bt, axis=-1)
+        return jax.lax.psum(x_b, over) if over else x_b
+
+    logps_b = total(logps_bt)
+    return logps_b / total(mask_bt.astype(jnp.float32)) if mean else logps_b
 
 
 def interleave(chosen_bt: jax.Array, rejected_bt: jax.Array) -> jax.Array:
@@ -186,17 +193,6 @@ def row_slicing_axes() -> tuple[str, ...]:
     return tuple(axis for axis in ("sequence",) if sizes.get(axis, 1) > 1)
 
 
-def sliced_sequence_logps(logps_bt: jax.Array, mask_bt: jax.Array, mean: bool = False
-                          ) -> jax.Array:
-    """``sequence_logps`` of rows whose tokens are split over ``row_slicing_axes``: each
-    device's partial sums, summed over them (every device then holds the whole rows')."""
-    axes = row_slicing_axes()
-    total = lambda x_bt: jax.lax.psum(jnp.sum(x_bt, axis=-1), axes) if axes \
-        else jnp.sum(x_bt, axis=-1)  # noqa: E731
-    logps_b = total(logps_bt)
-    return logps_b / total(mask_bt.astype(jnp.float32)) if mean else logps_b
-
-
 def staged_loss(config: Config):
     """The objective as the last pipeline stage computes it (``Stage.head_loss``): from the
     per-token cross-entropies (2b, T) of a microbatch of ``pair_rows``, (the mean loss,
@@ -211,12 +207,13 @@ def staged_loss(config: Config):
 
     def loss(losses_bt: jax.Array, mb: contract.Batch) -> tuple[jax.Array, contract.Metrics]:
         mask_bt = mb["mask"].astype(jnp.float32)
-        logps = pairs(sliced_sequence_logps(-losses_bt.astype(jnp.float32) * mask_bt,
-                                            mask_bt, mean))
+        over = row_slicing_axes()
+        logps = pairs(sequence_logps(-losses_bt.astype(jnp.float32) * mask_bt, mask_bt, mean,
+                                     over))
         ref_bt = (-mb["ref_losses"] * mask_bt if "ref_losses" in mb  # the base, in the stages
                   else mb.get("ref_logps"))  # precomputed (DPO without LoRA)
         ref = None if mean else tuple(jax.lax.stop_gradient(x) for x in pairs(
-            sliced_sequence_logps(ref_bt.astype(jnp.float32), mask_bt)))
+            sequence_logps(ref_bt.astype(jnp.float32), mask_bt, over=over)))
         objective, metrics = pair_objective(config, logps, ref)
         return objective, {key: metrics[key] for key in METRICS}
 
