@@ -22,7 +22,7 @@ from shardlib.config_check import check_ranges
 from shardlib.data import preference as pairs_lib
 from shardlib.errors import ConfigError
 from shardlib.models import preference
-from tests.helpers import assert_tensors_close, tiny_config
+from tests.helpers import relative_error, tiny_config
 from tests.test_lora import QKVO_MLP, _tiny_hf
 
 TOL = 1e-5
@@ -263,7 +263,8 @@ def _write_pairs(path, count: int = 16) -> None:
                                 "rejected": rejected}) + "\n")
 
 
-def _dpo_run(mesh: MeshConfig, path, lora: bool, objective: str = "dpo") -> tuple:
+def _dpo_run(mesh: MeshConfig, path, lora: bool, objective: str = "dpo",
+             grad_accum: int = 1) -> tuple:
     """(history, final trained params by path) of a 2-step DPO (or SimPO) run on ``mesh``;
     pipeline stages stream as few microbatches as they have (the most pairs in each)."""
     from shardlib.run.loop import train
@@ -271,7 +272,7 @@ def _dpo_run(mesh: MeshConfig, path, lora: bool, objective: str = "dpo") -> tupl
     config = tiny_config(mesh, steps=2)
     config = dataclasses.replace(
         config, train=dataclasses.replace(config.train, data=str(path), objective=objective,
-                                          seq_len=16, log_every=1),
+                                          seq_len=16, log_every=1, grad_accum=grad_accum),
         optim=dataclasses.replace(config.optim, lr=1e-2),
         lora=LoRAConfig(rank=4, alpha=8.0) if lora else LoRAConfig(),
         pipeline=dataclasses.replace(config.pipeline, microbatches=mesh.pipeline))
@@ -289,15 +290,30 @@ def one_device(tmp_path_factory):
     _write_pairs(path)
     runs: dict[tuple, tuple] = {}
 
-    def get(lora: bool, objective: str = "dpo") -> tuple:
-        if (lora, objective) not in runs:
-            runs[lora, objective] = _dpo_run(MeshConfig(data=1), path, lora, objective)
-        return path, runs[lora, objective]
+    def get(lora: bool, objective: str = "dpo", grad_accum: int = 1) -> tuple:
+        if (lora, objective, grad_accum) not in runs:
+            runs[lora, objective, grad_accum] = _dpo_run(MeshConfig(data=1), path, lora,
+                                                         objective, grad_accum)
+        return path, runs[lora, objective, grad_accum]
 
     return get
 
 
-def _assert_trains_like_one_device(sharded: tuple, one: tuple, objective: str = "dpo") -> None:
+def order_spread(one_device, lora: bool, objective: str) -> dict[str, float]:
+    """Each trained tensor's relative distance, on one device, between summing the
+    batch's gradient at once and pair by pair (``train.grad_accum=8``): how far the order
+    of the sum alone moves it. Two AdamW steps take a gradient element that cancels to
+    rounding noise (the chosen and rejected sides of a pair) to a full-size update of
+    noise-given size, so a mesh, which sums in its own order, is held to twice this
+    where it exceeds the 1e-5 bound (on an AMD EPYC host one of w_v's 512 adapter
+    elements moved 5e-6 of 0.0096: 1.7e-5 for the tensor)."""
+    _, (_, whole) = one_device(lora, objective)
+    _, (_, by_pair) = one_device(lora, objective, grad_accum=8)
+    return {path: relative_error(by_pair[path], whole[path]) for path in whole}
+
+
+def _assert_trains_like_one_device(sharded: tuple, one: tuple, objective: str = "dpo",
+                                   spread: dict[str, float] | None = None) -> None:
     (history, params), (one_history, one_params) = sharded, one
     for key in ("loss", *preference.METRICS):
         np.testing.assert_allclose([r[key] for r in history], [r[key] for r in one_history],
@@ -305,7 +321,10 @@ def _assert_trains_like_one_device(sharded: tuple, one: tuple, objective: str = 
     if objective == "dpo":  # trained: the rewards start at 0 (policy = reference)
         assert abs(one_history[0]["rewards_margins"]) < 1e-6 < abs(
             one_history[-1]["rewards_margins"])
-    assert_tensors_close(params, one_params, 1e-5)
+    for path, want in one_params.items():
+        bound = max(1e-5, 2 * (spread or {}).get(path, 0.0))
+        error = relative_error(params[path], want)
+        assert error <= bound, f"{path}: relative error {error:.2e} > {bound:.2e}"
 
 
 @pytest.mark.parametrize("lora,mesh", [(True, MeshConfig(data=2, fsdp=2, tensor=2)),
@@ -318,14 +337,16 @@ def test_sharded_dpo_trains_like_one_device(lora, mesh, one_device):
 # DPO with LoRA: the reference is the base's forward through the stages. Each microbatch
 # holds 2 pairs: the step-1 gradient is beta/2 (grad logp_c - grad logp_r), whose sides
 # cancel (one prompt), and summed pair by pair (one device with train.grad_accum=8) it
-# moves w_v's adapter 1.4e-5 (relative) from the one-batch sum, as 1-pair microbatches do.
+# moves w_v's adapter 1.4e-5 to 1.8e-5 (relative, by host CPU) from the one-batch sum, as
+# 1-pair microbatches do: each tensor is held to 1e-5 or twice that spread (``order_spread``).
 @pytest.mark.parametrize("lora,objective,mesh", [
     (True, "dpo", MeshConfig(pipeline=2, fsdp=2, data=1)),
     (False, "simpo", MeshConfig(pipeline=2, tensor=2, data=1, sequence_parallel=True)),
     (True, "dpo", MeshConfig(pipeline=2, sequence=2, data=2))])  # rows' log-probs over sequence
 def test_pipeline_preference_trains_like_one_device(lora, objective, mesh, one_device):
     path, one = one_device(lora, objective)
-    _assert_trains_like_one_device(_dpo_run(mesh, path, lora, objective), one, objective)
+    _assert_trains_like_one_device(_dpo_run(mesh, path, lora, objective), one, objective,
+                                   order_spread(one_device, lora, objective))
 
 
 def test_lora_dpo_on_interleaved_stages_trains_like_one_device(tmp_path, monkeypatch):
