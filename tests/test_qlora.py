@@ -75,11 +75,28 @@ def test_round_trip_error_within_the_formats_bound(fmt):
     assert np.all(np.abs(got - W) <= bound + scale_err * q_max)
 
 
-def test_nibbles_round_trip():
-    codes = jnp.asarray(np.random.default_rng(0).integers(0, 16, (3, 8)), jnp.uint8)
-    packed = quant.pack_nibbles(codes)
-    assert packed.shape == (3, 4) and packed.dtype == jnp.uint8
-    np.testing.assert_array_equal(quant.unpack_nibbles(packed), codes)
+def test_nibbles_round_trip_and_split_with_their_blocks():
+    """A device holding some of the blocks holds the bytes of exactly those blocks: its
+    bytes unpack to its own codes (a pipeline stage unpacks a tensor-split MLP's codes
+    locally)."""
+    codes = jnp.asarray(np.random.default_rng(0).integers(0, 16, (3, 16)), jnp.uint8)
+    packed = quant.pack_nibbles(codes, 4)
+    assert packed.shape == (3, 8) and packed.dtype == jnp.uint8
+    np.testing.assert_array_equal(quant.unpack_nibbles(packed, 4), codes)
+    for part in range(2):  # the halves of the blocks, as two tensor devices hold them
+        mine = quant.unpack_nibbles(packed[:, 4 * part:4 * part + 4], 4)
+        np.testing.assert_array_equal(mine, codes[:, 8 * part:8 * part + 8])
+
+
+# pipeline + fsdp + tensor: a stage gathers the codes and scales over fsdp (as stored),
+# unpacks the tensor-split MLP's codes locally and reads its part of the whole
+# second-level scales
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_qlora_trains_on_pipeline_fsdp_tensor_like_one_device(fmt):
+    config = _tiny(base_quant=fmt)
+    one = run_steps(config, 1)
+    mesh = MeshConfig(data=1, pipeline=2, fsdp=2, tensor=2)
+    assert_like_one_device(run_steps(dataclasses.replace(config, mesh=mesh)), one)
 
 
 def test_bytes_per_weight_formula_is_qloras():

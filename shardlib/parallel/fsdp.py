@@ -98,16 +98,17 @@ def weight_gatherer(rules: Rules, sizes: Mapping[str, int],
 
     def one(var: nnx.Variable, zero: jax.Array | None) -> nnx.Variable:
         value = jax.lax.pcast(var[...], replicas, to="varying") if replicas else var[...]
-        if not isinstance(var, nnx.Param):  # model state (a router bias): as it is
-            return var.replace(value=value)
         logical = tuple(var.get_metadata().get("logical") or ())
         dims = logical[len(logical) - value.ndim:] if value.ndim else ()
         dim = gather_dim(logical_to_spec(dims, rules, sizes)) if len(dims) == value.ndim \
             else None
+        # other state (a router bias; a quantized base's codes and scales, gathered as
+        # they are stored): never cast
+        cast_var = cast if isinstance(var, nnx.Param) else lambda x: x
         if dim is None:
-            return var.replace(value=cast(value))
+            return var.replace(value=cast_var(value))
         gather = lambda x: jax.lax.all_gather(x, "fsdp", axis=dim, tiled=True)
-        whole = cast(gather(waits_for(value, zero))) if cpu else gather(cast(value))
+        whole = cast_var(gather(waits_for(value, zero))) if cpu else gather(cast_var(value))
         return var.replace(value=checkpoint_name(whole, hooks.GATHERED))
 
     def gatherer(tree: Any, after: Any = ()) -> Any:

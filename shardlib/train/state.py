@@ -209,18 +209,14 @@ def check_capabilities(config: Config, sizes: dict[str, int], model: Model) -> N
 
 
 def check_pipeline_lora(config: Config, sizes: dict[str, int]) -> None:
-    """The stages carry a LoRA model's frozen base beside its adapters (their gradients
-    summed over ``tensor`` where each device holds a part, ``tensor.region_factors``), but
-    not a dropout key per microbatch or quantized bases."""
+    """The stages carry a LoRA model's frozen base, quantized or not, beside its adapters
+    (their gradients summed over ``tensor`` where each device holds a part,
+    ``tensor.region_factors``), but not a dropout key per microbatch."""
     lc, stages = config.lora, sizes["pipeline"]
     if lc.dropout:
         raise ConfigError(f"lora.dropout={lc.dropout} with --mesh pipeline={stages}: the "
                           "stages draw no dropout keys; set lora.dropout=0, or use data / "
                           "fsdp / tensor axes")
-    if lc.base_quant != "none":
-        raise ConfigError(f"lora.base_quant={lc.base_quant} with --mesh pipeline={stages}: "
-                          "quantized bases are not staged (QLoRA); set lora.base_quant=none, "
-                          "or use data / fsdp / tensor axes")
 
 
 def check_builtin(config: Config, sizes: dict[str, int]) -> None:
