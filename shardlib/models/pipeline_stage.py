@@ -17,7 +17,7 @@ inside the stage as in the plain step; a packed microbatch's ``segment_ids`` and
 ``positions`` reach attention and the position embedding through
 ``models.attention.packed_documents``. An MoE stage adds its layers' share of the router
 losses; its checks (``train.pipeline_check.check_moe``) and its experts' strategy inside
-the stages (``train.pipeline.manual_experts``) are the pipeline's.
+the stages (``train.pipeline_local.manual_experts``) are the pipeline's.
 """
 
 from __future__ import annotations

@@ -48,13 +48,13 @@ from shardlib.planner.space import (
     factorizations,
     mesh_problem,
 )
-from shardlib.train.pipeline import act_shape
 from shardlib.train.pipeline_check import (
     accum_rows,
     batch_shards,
     check_pipeline,
     resolve_microbatches,
 )
+from shardlib.train.pipeline_local import act_shape
 from shardlib.train.pipeline_schedule import Schedule, build
 from shardlib.train.pipeline_theory import step_comm_terms
 

@@ -26,7 +26,7 @@ from shardlib.data.arrays import to_global
 from shardlib.data.loader import pick_tokenizer
 from shardlib.interop.hf import load_params, pretrained_state
 from shardlib.sharding import compiling_for
-from shardlib.train import objective, pipeline, pipeline_check
+from shardlib.train import objective, pipeline_check, pipeline_forward
 from shardlib.train.setup import TrainSetup
 from shardlib.train.state import init_state
 
@@ -86,7 +86,7 @@ def _staged_logps(setup: TrainSetup, params: nnx.State, frozen: nnx.State | None
     """``{side}_ref_logps`` through the pipeline's stages (``forward_token_losses``), the
     training step's forward: the policy's at the first step to the bit."""
     with compiling_for(setup.mesh):
-        losses_2bt = pipeline.forward_token_losses(setup, params, batch, frozen)
+        losses_2bt = pipeline_forward.forward_token_losses(setup, params, batch, frozen)
     mask_b2t = jnp.stack([batch[f"{side}_mask"] for side in pairs.SIDES], axis=1)
     # the stages' rows are the pairs' sides side by side: row 2b chosen b, 2b + 1 rejected b
     logps_b2t = -losses_2bt.reshape(mask_b2t.shape) * mask_b2t.astype(jnp.float32)

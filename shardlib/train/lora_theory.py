@@ -32,8 +32,8 @@ from shardlib.analysis.adapters import (
 )
 from shardlib.analysis.theory import ACT_BYTES, PARAM_BYTES, Term, geometry
 from shardlib.config import Config
-from shardlib.train.pipeline import partial_axes
 from shardlib.train.pipeline_check import applies
+from shardlib.train.pipeline_local import partial_axes
 from shardlib.train.pipeline_schedule import Schedule
 from shardlib.train.pipeline_theory import schedule_of, step_comm_terms
 

@@ -68,10 +68,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from shardlib import hooks, precision
-from shardlib.config import Config
 from shardlib.contract import pick
-from shardlib.errors import ConfigError
-from shardlib.parallel import context, fsdp, moe_manual, tensor
+from shardlib.parallel import fsdp, tensor
 from shardlib.sharding import spec_axes
 from shardlib.train import pipeline_chunks
 from shardlib.train import pipeline_schedule as ticks
@@ -83,6 +81,15 @@ from shardlib.train.pipeline_check import (
     resolve_microbatches,
 )
 from shardlib.train.pipeline_forward import forward_losses
+from shardlib.train.pipeline_local import (
+    act_shape,
+    layer_strategies,
+    partial_axes,
+    split_microbatches,
+    stage_stack,
+    with_positions,
+    zero_parts,
+)
 from shardlib.train.pipeline_schedule import BWD, FWD, IDLE, Schedule, build
 from shardlib.train.setup import TrainSetup
 
@@ -198,15 +205,6 @@ def _tick(stage: Stage, schedule: Schedule, params: nnx.State, batch_mbt: Microb
     return tick
 
 
-def partial_axes(config: Config, sizes: Mapping[str, int]) -> tuple[str, ...]:
-    """Axes over which each device holds a partial gradient of a parameter that is not
-    split over them: the stages, the batch shards, ``sequence`` (each device holds a
-    slice of every sequence) and ``tensor`` under sequence parallelism (each device runs
-    the norms on its slice of the sequence)."""
-    sp = ("tensor",) if config.mesh.sequence_parallel else ()
-    return tuple(a for a in (AXIS, *BATCH_AXES, SEQ_AXIS, *sp) if sizes.get(a, 1) > 1)
-
-
 def reduce_grads(grads: nnx.State, specs: nnx.State, sizes: Mapping[str, int], *,
                  scattered: bool = False, partial: tuple[str, ...] | None = None,
                  over_tensor: nnx.State | None = None) -> nnx.State:
@@ -230,63 +228,6 @@ def reduce_grads(grads: nnx.State, specs: nnx.State, sizes: Mapping[str, int], *
         return jax.lax.psum(g, summed) if summed else g
 
     return jax.tree.map(reduce, grads, specs, over_tensor)
-
-
-def _split(x_bt: jax.Array, count: int) -> jax.Array:
-    """(B, T) -> (count, B / count, T): microbatch k is rows k B/count ... (k+1) B/count."""
-    return x_bt.reshape(count, -1, x_bt.shape[1])
-
-
-def act_shape(config: Config, sizes: Mapping[str, int], rows: int) -> tuple[int, int, int]:
-    """(b, T, D) of one microbatch's activation on one device: T / sequence rows of the
-    sequence, and / tensor under Megatron sequence parallelism."""
-    seq = config.train.seq_len // sizes.get(SEQ_AXIS, 1)
-    if config.mesh.sequence_parallel:
-        seq //= sizes.get("tensor", 1)
-    return rows, seq, config.model.d_model
-
-
-def with_positions(batch: dict[str, jax.Array], sizes: Mapping[str, int]
-                   ) -> dict[str, jax.Array]:
-    """Inside shard_map: under context parallelism a device holds a slice of each row,
-    so without a packed batch's ``positions`` give it its slice's (for RoPE and the
-    learned table, which would otherwise count from 0)."""
-    if sizes.get(SEQ_AXIS, 1) == 1 or "positions" in batch:
-        return batch
-    rows, local = batch["inputs"].shape
-    start = jax.lax.axis_index(SEQ_AXIS) * local
-    positions_bt = jnp.broadcast_to(start + jnp.arange(local, dtype=jnp.int32), (rows, local))
-    return {**batch, "positions": positions_bt}
-
-
-def manual_experts(config: Config, sizes: Mapping[str, int]
-                   ) -> contextlib.AbstractContextManager[None]:
-    """The experts' strategy inside the stages (``parallel.moe_manual``): expert-parallel
-    with ``expert`` > 1; router statistics averaged over the axes that split every row
-    (``sequence``, whose devices each count their objective, and ``tensor`` under SP,
-    whose devices hold copies of it)."""
-    counted = ("sequence",) if sizes.get("sequence", 1) > 1 else ()
-    sp = ("tensor",) if config.mesh.sequence_parallel and sizes.get("tensor", 1) > 1 else ()
-    return moe_manual.manual_experts(expert_parallel=sizes.get("expert", 1) > 1,
-                                     row_axes=counted + sp, counted_axes=counted)
-
-
-def layer_strategies(config: Config, sizes: Mapping[str, int]) -> contextlib.ExitStack:
-    """The layer-level strategies active inside the stages, to enter while tracing:
-    Megatron TP/SP over ``tensor`` (untyped: the step differentiates inside shard_map) and
-    the context-parallel attention over ``sequence``; the attention kernel
-    ``attention.impl``; the matmuls' ``precision.matmul``."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(context.local_kernel(config.attention.impl, config.attention.chunk))
-    stack.enter_context(context.matmuls(config.precision.matmul))
-    if sizes.get(SEQ_AXIS, 1) > 1:
-        stack.enter_context(context.manual_context_parallel(config.attention.context_parallel))
-    if config.model.num_experts:
-        stack.enter_context(manual_experts(config, sizes))
-    if sizes.get("tensor", 1) > 1:
-        stack.enter_context(tensor.manual_tensor(
-            sequence_parallel=config.mesh.sequence_parallel, typed=False))
-    return stack
 
 
 def loss_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Array],
@@ -335,7 +276,7 @@ def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, 
               scale: jax.Array, table_tpc: jax.Array) -> tuple:
         dloss = scale.astype(jnp.float32) / (count * shards)
         rows = with_positions(stage.rows(batch_shard), sizes)
-        batch_mbt = {key: _split(x_bt, count) for key, x_bt in rows.items()}
+        batch_mbt = {key: split_microbatches(x_bt, count) for key, x_bt in rows.items()}
         shape = act_shape(config, sizes, rows["inputs"].shape[0] // count)
         trained = None if frozen_shard is None else params_shard
         whole = params_shard if frozen_shard is None else nnx.merge_state(params_shard,
@@ -370,51 +311,3 @@ def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, 
     )(params, frozen, batch, scale, jnp.asarray(table_tpc, jnp.int32))
 
 
-def forward_token_losses(setup: TrainSetup, params: nnx.State, batch: dict[str, jax.Array],
-                         frozen: nnx.State | None = None) -> jax.Array:
-    """The per-token cross-entropy (rows, T) of the model's rows of ``batch``
-    (``Stage.rows``) under ``params`` (and ``frozen``), forward only through the stages
-    (``forward_losses``) in the training step's microbatches, so that it is the training
-    forward's to the bit: a DPO reference computed before training through it gives
-    rewards of exactly 0 at the first step, as on one device."""
-    config, sizes = setup.config, setup.sizes
-    count, stage = resolve_microbatches(config, sizes), stage_stack(setup)
-    specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
-    frozen_specs = None if frozen is None else jax.tree.map(
-        lambda sh: sh.spec, setup.state_shardings.model_state)
-    whole_specs = specs if frozen is None else nnx.merge_state(specs, frozen_specs)
-
-    def local(params_shard: nnx.State, frozen_shard: nnx.State | None,
-              batch_shard: dict) -> jax.Array:
-        rows = with_positions(stage.rows(batch_shard), sizes)
-        batch_mbt = {key: _split(x_bt, count) for key, x_bt in rows.items()}
-        shape = act_shape(config, sizes, rows["inputs"].shape[0] // count)
-        whole = params_shard if frozen_shard is None else nnx.merge_state(params_shard,
-                                                                          frozen_shard)
-        with layer_strategies(config, sizes):
-            if sizes.get("fsdp", 1) > 1:
-                whole = fsdp.gather_params(whole, whole_specs)
-            out_mbt = forward_losses(stage, whole, batch_mbt, shape, setup.policy.compute,
-                                     sizes[AXIS])
-        return out_mbt.reshape(-1, out_mbt.shape[-1])  # (rows, T)
-
-    batch_spec = setup.batch_sharding.spec
-    return jax.shard_map(local, mesh=setup.mesh, check_vma=False,
-                         in_specs=(specs, frozen_specs, {key: batch_spec for key in batch}),
-                         out_specs=batch_spec)(params, frozen, batch)
-
-
-def stage_stack(setup: TrainSetup, *, gathers: bool = False, keep: bool = False) -> Stage:
-    """The model's stage stack for this setup (its ``pipeline_stage``)."""
-    make = setup.model.pipeline_stage
-    if make is None:
-        raise ConfigError(f"--mesh pipeline={setup.sizes.get(AXIS)}: model "
-                          f"{setup.model.name!r} gives no pipeline_stage (the stage stack of "
-                          "the 'pipeline' capability); pass Model(pipeline_stage=...)")
-    return make(setup.config, setup.graphdef, setup.policy, gathers=gathers, keep=keep)
-
-
-def zero_parts(setup: TrainSetup) -> Parts:
-    """Zeros for the loss parts of one flush: ``loss`` and the router metrics an MoE
-    model reports (the stage stack's ``zero_parts``)."""
-    return stage_stack(setup).zero_parts(setup.abstract_params, setup.config.train.seq_len)

@@ -56,7 +56,6 @@ from shardlib.analysis.theory import (
     tensor_terms,
 )
 from shardlib.config import Config
-from shardlib.train.pipeline import act_shape, partial_axes
 from shardlib.train.pipeline_check import (
     AXIS,
     accum_rows,
@@ -65,6 +64,7 @@ from shardlib.train.pipeline_check import (
     resolve_microbatches,
 )
 from shardlib.train.pipeline_chunks import deal_plan
+from shardlib.train.pipeline_local import act_shape, partial_axes
 from shardlib.train.pipeline_schedule import Schedule, build
 
 

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlib import precision
 from shardlib.sharding import compiling_for
-from shardlib.train import comm, diloco, nonfinite, pipeline, pipeline_check
+from shardlib.train import comm, diloco, nonfinite, pipeline, pipeline_check, pipeline_local
 from shardlib.train.objective import (  # noqa: F401  (loss_fn, model_loss: public here too)
     Batch,
     Metrics,
@@ -108,7 +108,7 @@ def pipeline_loss_and_grads(setup: TrainSetup, params: nnx.State, batch: Batch,
                                                      frozen=frozen)
         return jax.tree.map(jnp.add, carry, (parts, pin(grads))), None
 
-    init = (pipeline.zero_parts(setup), pin(jax.tree.map(jnp.zeros_like, params)))
+    init = (pipeline_local.zero_parts(setup), pin(jax.tree.map(jnp.zeros_like, params)))
     (parts, grads), _ = jax.lax.scan(accumulate, init, microbatches(setup, batch, count))
     return jax.tree.map(lambda x: (x / count).astype(x.dtype), (parts, grads))
 
