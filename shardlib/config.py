@@ -41,6 +41,12 @@ class MeshConfig:
     # time). false: left to XLA's partitioner (GSPMD) from the shardings alone; pipeline,
     # context parallelism and the comm.* paths are manual either way.
     explicit_collectives: bool = True
+    # the dim of the attention weights (q/k/v/o) that FSDP splits: embed (d_model, as for
+    # every other weight) or heads. auto: heads on a TPU where an embed-split shard would
+    # keep no dim as wide as the 128-lane tile (d_model / fsdp and head_dim below 128: the
+    # compiler pads such a shard to twice its bytes), the heads divide by fsdp and tensor
+    # does not split them; else embed
+    fsdp_attention: str = "auto"
     auto: bool = False  # `--mesh auto`: shardlib.planner picks the degrees, remat, microbatches
 
     def degrees(self) -> dict[str, int]:

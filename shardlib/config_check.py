@@ -100,6 +100,9 @@ def check_ranges(config: Config, flags: dict[str, str] | None = None) -> None:
             head, where = _named(f"{section}.{name}", value, flags)
             raise ConfigError(f"{head}: must be {_wanted(value, rule, number)}{where}")
     layer_scan.check_setting(config.model.scan_layers)
+    if config.mesh.fsdp_attention not in ("auto", "embed", "heads"):
+        raise ConfigError(f"mesh.fsdp_attention={config.mesh.fsdp_attention!r}: one of auto, "
+                          "embed, heads (the attention weights' dim FSDP splits)")
     if config.model.pos_embedding == "learned":
         check_seq_len(config, flags)
     if config.train.objective not in OBJECTIVES:

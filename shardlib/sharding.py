@@ -82,6 +82,8 @@ def make_rules(mesh_cfg: MeshConfig, sizes: Mapping[str, int],
     for name in strategies(mesh_cfg, sizes):
         for dim, axes in PRESETS[name].items():
             rules[dim] = rules.get(dim, ()) + tuple(a for a in axes if a not in rules.get(dim, ()))
+    if mesh_cfg.fsdp_attention == "heads" and sizes.get("fsdp", 1) > 1:
+        rules["heads"] = (*rules.get("heads", ()), "fsdp")  # embed yields it (``_yields``)
     for dim, axes in overrides:
         check_rule(dim, axes)
         rules[dim] = tuple(axes)
@@ -130,11 +132,14 @@ def logical_to_spec(
     logical: Sequence[str | None], rules: Mapping[str, Sequence[str]], sizes: Mapping[str, int],
     *, name: str = "array",
 ) -> PartitionSpec:
-    """PartitionSpec for one array; size-1 axes are dropped. Raises on a reused mesh axis."""
+    """PartitionSpec for one array; size-1 axes are dropped. Raises on a reused mesh axis,
+    except that ``embed`` yields ``fsdp`` to ``heads`` (``YIELDS``)."""
     used: dict[str, str] = {}
     entries: list[tuple[str, ...] | None] = []
+    yielded = _yielded(logical, rules)
     for dim in logical:
-        axes = tuple(a for a in rules.get(dim, ()) if sizes.get(a, 1) > 1) if dim else ()
+        axes = tuple(a for a in rules.get(dim, ()) if sizes.get(a, 1) > 1
+                     and (dim, a) not in yielded) if dim else ()
         for axis in axes:
             if axis in used:
                 raise ShardingError(
@@ -145,6 +150,19 @@ def logical_to_spec(
             used[axis] = dim
         entries.append(axes or None)
     return PartitionSpec(*(e[0] if e and len(e) == 1 else e for e in entries))
+
+
+# (dim, axis, the dim it yields the axis to): FSDP splits ``embed`` by default, and a rule
+# that splits ``heads`` over fsdp too (``mesh.fsdp_attention=heads``, or ``--rule
+# heads=fsdp``) moves the attention weights' split there, leaving their embed whole.
+YIELDS = (("embed", "fsdp", "heads"),)
+
+
+def _yielded(logical: Sequence[str | None], rules: Mapping[str, Sequence[str]]
+             ) -> set[tuple[str, str]]:
+    """The (dim, axis) pairs of ``logical`` that give their axis up (``YIELDS``)."""
+    return {(dim, axis) for dim, axis, to in YIELDS
+            if dim in logical and to in logical and axis in rules.get(to, ())}
 
 
 def check_divisible(

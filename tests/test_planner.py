@@ -428,11 +428,9 @@ def test_plan_for_a_target_takes_its_devices_profile_budget_and_compiler():
     assert report.to_json(fits)["target"]["chips"] == 8
 
 
-@pytest.mark.parametrize("mesh, remat", [("fsdp=8", "full"), ("tensor=8", "none")])
-def test_tpu_memory_estimate_is_the_tpu_compilers(mesh, remat):
-    """The planner's analytic memory for a TPU target (the TPU compiler's buffer counts,
-    ``analysis.peak.TPU_COUNTS``) is within 15% of that compiler's own peak; XLA CPU's
-    counts were 1.18x and 1.69x over it."""
+def _tpu_estimate_error(mesh: str, remat: str, fsdp_attention: str) -> float:
+    """(the planner's analytic TPU memory) / (the TPU compiler's own peak) - 1, ``small``
+    at 16 x 256 on ``v5e:2x4``."""
     pytest.importorskip("libtpu")
     from shardlib.target import parse_target
 
@@ -440,11 +438,32 @@ def test_tpu_memory_estimate_is_the_tpu_compilers(mesh, remat):
     config = dataclasses.replace(TINY, model=get_preset("small"),
                                  train=dataclasses.replace(TINY.train, batch_size=16,
                                                            seq_len=256))
+    config = dataclasses.replace(config, mesh=dataclasses.replace(
+        config.mesh, fsdp_attention=fsdp_attention))
     c = cand(remat, **parse_mesh(mesh).degrees())
     step, _ = search.compile_candidate(config, c, target.devices())
     predicted = search.analytic(config, c, profiles.target_profile(target), 2**40)
-    assert abs(predicted.figures.memory_bytes / step.memory_bytes - 1) <= 0.15, \
-        (predicted.figures.memory_bytes, step.memory_bytes)
+    return predicted.figures.memory_bytes / step.memory_bytes - 1
+
+
+@pytest.mark.parametrize("mesh, remat", [("fsdp=8", "full"), ("tensor=8", "none")])
+def test_tpu_memory_estimate_is_the_tpu_compilers(mesh, remat):
+    """The planner's analytic memory for a TPU target (the TPU compiler's buffer counts,
+    ``analysis.peak.TPU_COUNTS``) is within 15% of that compiler's own peak; XLA CPU's
+    counts were 1.18x and 1.69x over it. The counts were fitted to steps whose FSDP split
+    the attention weights' embed dim (``mesh.fsdp_attention=embed``)."""
+    error = _tpu_estimate_error(mesh, remat, "embed")
+    assert abs(error) <= 0.15, error
+
+
+def test_tpu_memory_estimate_bounds_a_heads_split_step_from_above():
+    """With the heads split ``auto`` picks for ``small`` on ``fsdp=8`` the compiler's peak
+    falls 25% (34.3 -> 25.8 MB: no attention shard padded to 128 lanes) and the estimate,
+    which drops only its attention padding term, 5%: it overshoots by 26%, conservative
+    (a candidate may be rejected that would fit, none accepted that does not) until the
+    counts are refitted to such steps."""
+    error = _tpu_estimate_error("fsdp=8", "full", "auto")
+    assert 0 <= error <= 0.30, error
 
 
 def test_failed_compiles_spend_the_compile_budget(monkeypatch):

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -103,3 +104,45 @@ def test_batch_must_divide_over_batch_axes():
 def test_sequence_parallel_needs_a_tensor_axis():
     with pytest.raises(ShardingError, match="sequence_parallel=true needs tensor > 1"):
         specs_for(MeshConfig(data=8, sequence_parallel=True))
+
+
+# --- mesh.fsdp_attention: the attention weights' FSDP split on heads instead of embed ----
+
+def test_a_heads_split_over_fsdp_takes_it_from_embed_in_the_attention_weights_only():
+    sizes = {"fsdp": 4, "data": 2}
+    rules = make_rules(MeshConfig(data=2, fsdp=4, fsdp_attention="heads"), sizes)
+    assert logical_to_spec(("layers", "embed", "heads", "head_dim"), rules, sizes) == \
+        P(None, None, "fsdp", None)
+    assert logical_to_spec(("heads", "head_dim", "embed"), rules, sizes) == P("fsdp", None, None)
+    assert logical_to_spec(("layers", "embed", "mlp"), rules, sizes) == P(None, "fsdp", None)
+    plain = make_rules(MeshConfig(data=2, fsdp=4, fsdp_attention="embed"), sizes)
+    assert logical_to_spec(("embed", "heads", "head_dim"), plain, sizes) == P("fsdp", None, None)
+    with pytest.raises(ShardingError, match="used by both dims"):  # yielding is embed's alone
+        logical_to_spec(("embed", "mlp"), make_rules(MeshConfig(fsdp=4), {"fsdp": 4},
+                                                     [("mlp", ("fsdp",))]), {"fsdp": 4})
+
+
+@pytest.fixture(scope="module")
+def one_device_run():
+    from tests.helpers import run_steps, tiny_config
+    return run_steps(tiny_config(MeshConfig(data=1), steps=3), 1)
+
+
+@pytest.mark.parametrize("mesh", [MeshConfig(data=2, fsdp=4, fsdp_attention="heads"),
+                                  MeshConfig(data=1, pipeline=2, fsdp=4, fsdp_attention="heads")],
+                         ids=["data=2,fsdp=4", "pipeline=2,fsdp=4"])
+def test_attention_heads_split_over_fsdp_trains_like_one_device(mesh, one_device_run):
+    """The explicit per-layer gathers (and a stage's) find the heads dim from the rules."""
+    from tests.helpers import assert_like_one_device, run_steps, tiny_config
+    sharded = run_steps(tiny_config(mesh, steps=3))
+    spec = sharded[2].state_shardings.params["blocks"]["attn"]["w_q_dhk"].get_value().spec
+    assert spec[1:3] == (None, "fsdp")  # (layers, embed, heads, head_dim)
+    assert_like_one_device(sharded, one_device_run)
+
+
+def test_a_heads_split_beside_tensor_is_refused():
+    from shardlib.errors import ConfigError
+    config = Config(mesh=MeshConfig(data=1, fsdp=4, tensor=2, fsdp_attention="heads"),
+                    model=get_preset("tiny"))
+    with pytest.raises(ConfigError, match="mesh.fsdp_attention=heads with --mesh tensor=2"):
+        build_setup(config, jax.devices()[:8])

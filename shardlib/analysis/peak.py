@@ -31,6 +31,7 @@ from shardlib.analysis.theory import state_bytes_per_device, unit_elements
 from shardlib.config import Config
 from shardlib.models.attention import SPLASH_BLOCK
 from shardlib.models.attention import resolve as resolve_attention
+from shardlib.parallel import fsdp as fsdp_lib
 
 
 @dataclass(frozen=True)
@@ -157,17 +158,30 @@ def working_bytes_per_token(config: Config, sizes: Mapping[str, int], remat: str
 
 def layout_padding(config: Config, sizes: Mapping[str, int], counts: BufferCounts) -> float:
     """Bytes TPU layouts add by padding a weight's minor dim to 128 lanes: the attention
-    weights when head_dim < 128, W_out when its fsdp-split embed dim is < 128."""
+    weights when head_dim < 128 (unless FSDP splits their heads, which keeps d_model
+    whole: ``mesh.fsdp_attention``), W_out when its fsdp-split embed dim is < 128."""
     if not (counts.pad_attention or counts.pad_mlp_out):
         return 0.0
     m, t, fsdp = config.model, sizes.get("tensor", 1), sizes.get("fsdp", 1)
     attention = m.num_layers * (2 * m.d_model**2 + 2 * m.d_model * m.kv_heads * m.head_dim)
     embed = m.d_model / fsdp
+    if attention_split(config, sizes) == "heads":
+        attention = 0
     pad = counts.pad_attention * attention * (max(LANES, m.head_dim) / m.head_dim - 1)
     if fsdp > 1:  # W_out (d_ff, embed): the split embed dim is its minor dim
         pad += counts.pad_mlp_out * m.num_layers * m.d_ff * m.d_model * (
             max(LANES, embed) / embed - 1)
     return pad * 4 / (t * fsdp)  # fp32 elements, split over tensor and fsdp
+
+
+def attention_split(config: Config, sizes: Mapping[str, int]) -> str:
+    """The attention weights' dim FSDP splits on a TPU (``mesh.fsdp_attention``, ``auto``
+    resolved as the setup resolves it)."""
+    if config.mesh.fsdp_attention != "auto":
+        return config.mesh.fsdp_attention
+    m = config.model
+    return fsdp_lib.attention_split("tpu", sizes, d_model=m.d_model, head_dim=m.head_dim,
+                                    heads=m.num_heads, kv_heads=m.kv_heads)[0]
 
 
 def probs_bytes_per_token(config: Config, sizes: Mapping[str, int],

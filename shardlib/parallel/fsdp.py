@@ -46,6 +46,27 @@ def explicit_fsdp_applies(sizes: dict[str, int]) -> bool:
     return bool(manual_axes(sizes)) and not others
 
 
+TPU_LANES = 128  # the minor dim of a TPU tile: a shard with no dim this wide pads to it
+
+
+def attention_split(platform: str, sizes: Mapping[str, int], *, d_model: int, head_dim: int,
+                    heads: int, kv_heads: int) -> tuple[str, str]:
+    """(the attention weights' dim FSDP splits, why) for ``mesh.fsdp_attention=auto``:
+    ``heads`` where an ``embed`` split would leave a TPU shard no dim as wide as a tile
+    (d_model / fsdp and head_dim under ``TPU_LANES``: the (64, 8, 64) shard of 8 heads of 64
+    at d_model 512 on fsdp=8 is laid out at twice its bytes, in the weights, both Adam
+    moments and the gradient), the q and k/v heads divide by fsdp and tensor leaves them
+    whole; else ``embed``, as every other weight."""
+    f = sizes.get("fsdp", 1)
+    if platform != "tpu" or f <= 1 or sizes.get("tensor", 1) > 1:
+        return "embed", ""
+    if d_model // f >= TPU_LANES or head_dim >= TPU_LANES or heads % f or kv_heads % f:
+        return "embed", ""
+    return "heads", (f"an embed split (d_model {d_model} / fsdp {f} = {d_model // f}) and "
+                     f"head_dim {head_dim} are narrower than the TPU's {TPU_LANES} lanes, "
+                     "so its shards would pad to twice their bytes")
+
+
 def restrict_spec(spec: PartitionSpec, keep: Callable[[str], bool]) -> PartitionSpec:
     """The spec with only the mesh axes for which ``keep(axis)`` holds."""
 

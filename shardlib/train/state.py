@@ -23,6 +23,7 @@ from shardlib.contract import Model
 from shardlib.errors import ConfigError
 from shardlib.mesh import MESH_AXES, make_mesh, platform_of, resolve_degrees
 from shardlib.models import lora
+from shardlib.parallel import fsdp
 from shardlib.parallel.context import (
     auto_note,
     check_context_parallel,
@@ -141,6 +142,8 @@ def build_setup(config: Config, devices: list[jax.Device] | None = None, *,
     sizes = dict(mesh.shape)
     model.run_check(config, mesh)  # the model's own (the GPT's: its shape, its MoE options)
     config, notes = resolve_context_parallel(config, sizes, model)
+    config, split_notes = resolve_fsdp_attention(config, sizes, model, platform_of(devices))
+    notes = (*notes, *split_notes)
     check_capabilities(config, sizes, model)
     if model.has("planner"):
         check_builtin(config, sizes)
@@ -191,6 +194,30 @@ def resolve_context_parallel(config: Config, sizes: dict[str, int], model: Model
         if model.has("context_parallel") else "none"
     config = replace(config, attention=replace(config.attention, context_parallel=picked))
     return config, (auto_note(picked, sizes),) if sizes.get("sequence", 1) > 1 else ()
+
+
+def resolve_fsdp_attention(config: Config, sizes: dict[str, int], model: Model,
+                           platform: str) -> tuple[Config, tuple[str, ...]]:
+    """``config`` with ``mesh.fsdp_attention=auto`` replaced by its pick
+    (``fsdp.attention_split``; ``embed`` for a model that is not a ``ModelConfig`` GPT),
+    and the start-up line saying so when it picks ``heads``."""
+    choice = config.mesh.fsdp_attention
+    if choice == "heads" and sizes.get("tensor", 1) > 1:
+        raise ConfigError(f"mesh.fsdp_attention=heads with --mesh tensor={sizes['tensor']}: "
+                          "Megatron splits the heads over tensor; set mesh.fsdp_attention="
+                          "embed (or auto)")
+    if choice != "auto":
+        return config, ()
+    picked, why = ("embed", "")
+    if model.has("planner"):
+        m = config.model
+        picked, why = fsdp.attention_split(platform, sizes, d_model=m.d_model,
+                                           head_dim=m.head_dim, heads=m.num_heads,
+                                           kv_heads=m.kv_heads)
+    config = replace(config, mesh=replace(config.mesh, fsdp_attention=picked))
+    note = (f"mesh.fsdp_attention=auto split the attention weights' heads over fsdp: {why}; "
+            "set mesh.fsdp_attention=embed to split d_model") if picked == "heads" else ""
+    return config, (note,) if note else ()
 
 
 def check_capabilities(config: Config, sizes: dict[str, int], model: Model) -> None:
