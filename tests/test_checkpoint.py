@@ -85,14 +85,17 @@ def copy_of(directory: Path, tmp_path: Path) -> Path:
 def test_saved_config_is_the_runs_config(reference):
     """The config the run trained with: as given, with start-up's picks (the method
     ``attention.context_parallel=auto`` chose, the layout ``model.scan_layers=auto``
-    chose) filled in."""
+    chose, the attention weights' FSDP dim ``mesh.fsdp_attention=auto`` chose) filled in."""
     result, ref_dir = reference
     saved = Checkpointer(ref_dir).saved_config(20)
     assert saved == json.loads(json.dumps(to_dict(result.setup.config)))
     given = json.loads(json.dumps(to_dict(ckpt_config(ref_dir))))
     assert given["attention"]["context_parallel"] == "auto"
     assert (given["model"]["scan_layers"], saved["model"]["scan_layers"]) == ("auto", True)
-    picks = {("attention", "context_parallel"), ("model", "scan_layers")}
+    assert (given["mesh"]["fsdp_attention"], saved["mesh"]["fsdp_attention"]) == ("auto",
+                                                                                 "embed")
+    picks = {("attention", "context_parallel"), ("model", "scan_layers"),
+             ("mesh", "fsdp_attention")}
 
     def unpicked(config: dict) -> dict:
         return {section: {k: v for k, v in fields.items() if (section, k) not in picks}
