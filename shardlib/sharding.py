@@ -83,7 +83,7 @@ def make_rules(mesh_cfg: MeshConfig, sizes: Mapping[str, int],
         for dim, axes in PRESETS[name].items():
             rules[dim] = rules.get(dim, ()) + tuple(a for a in axes if a not in rules.get(dim, ()))
     if mesh_cfg.fsdp_attention == "heads" and sizes.get("fsdp", 1) > 1:
-        rules["heads"] = (*rules.get("heads", ()), "fsdp")  # embed yields it (``_yields``)
+        rules["heads"] = (*rules.get("heads", ()), "fsdp")  # embed yields it (``YIELDS``)
     for dim, axes in overrides:
         check_rule(dim, axes)
         rules[dim] = tuple(axes)

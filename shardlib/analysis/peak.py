@@ -77,7 +77,7 @@ TPU_COUNTS = BufferCounts(update=1.0, working_set=0.3, d32=2.5, dc=2.6, f32=3.0,
                           remat_probs=1.8, logits=1.5, dots_f=1.0, pad_attention=1.2,
                           pad_mlp_out=5.9)
 COUNTS = {"cpu": CPU_COUNTS, "tpu": TPU_COUNTS}  # GPU: not measured yet, XLA CPU's
-LANES = 128  # a TPU vector register's minor dimension: layouts pad the minor dim to it
+LANES = fsdp_lib.TPU_LANES  # a TPU vector register's minor dimension: layouts pad to it
 
 
 def counts_for(platform: str) -> BufferCounts:
