@@ -13,7 +13,7 @@ from flax import nnx
 from shardlib.config import MeshConfig
 from shardlib.models.decode import forward_cached, init_cache, sample
 from shardlib.models.gpt import GPT
-from shardlib.train.generate import compile_generate_cached, generate, generate_cached
+from shardlib.train.generate import _window, compile_generate_cached, generate, generate_cached
 from shardlib.train.state import build_setup, init_state
 from tests.helpers import tiny_config
 
@@ -99,6 +99,15 @@ def test_greedy_tokens_equal_the_window_path_on_a_mesh(sharded):
     stopped = generate_cached(setup, params, [list(short), list(long)], 10, stop_tokens=(stop,))
     assert stopped[1] == got[1][: got[1].index(stop) + 1]
     assert stopped[0] == got[0][: got[0].index(stop) + 1] if stop in got[0] else got[0]
+
+
+def test_the_no_cache_window_holds_the_sample_not_seq_len(sharded):
+    """The window path runs prompt + new tokens (rounded up to 2 x 8 devices: any
+    sequence split divides it), not ``seq_len`` per token: a 4096-token run's closing
+    sample took over 300 s that way. Past ``seq_len`` it slides at ``seq_len``."""
+    setup, _ = sharded
+    assert setup.config.train.seq_len == 32
+    assert [_window(setup, n) for n in (1, 15, 16, 17, 32, 100)] == [16, 16, 16, 32, 32, 32]
 
 
 def test_compiled_cached_decode_runs_again_without_compiling(sharded, monkeypatch):

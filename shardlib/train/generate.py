@@ -1,8 +1,8 @@
 """Sampling from a trained model, sharded like training.
 
-``generate``: a sliding window of ``seq_len`` tokens runs through the model once per new
-token (no KV cache: the same compiled shapes and shardings as the train step; the
-reference). One row per batch shard, so every device works on its own sample.
+``generate``: a window of tokens runs through the model once per new token (no KV cache:
+the train step's shardings; the reference). The window is the shortest that holds the
+prompt and the new tokens, else ``seq_len`` tokens that slide. One row per batch shard, so every device works on its own sample.
 ``generate_cached``: prefill + one-token steps over a KV cache (the model's ``decode``,
 for the ``generate`` capability: the GPT's is ``models.decode``), a batch of prompts of
 different lengths, cache sharded like the activations.
@@ -49,9 +49,9 @@ def compile_generate(setup: TrainSetup, params: nnx.State, prompt: np.ndarray,
                      ) -> Callable[[nnx.State, int], np.ndarray]:
     """``generate`` compiled ahead of time: a function of (params, seed) that only runs
     (the loop times compiling and sampling apart, and its watchdog watches only the run)."""
-    window = setup.config.train.seq_len
+    prompt = np.asarray(prompt, np.int32)[-setup.config.train.seq_len:]
+    window = _window(setup, len(prompt) + num_tokens)
     rows = _shards(setup, dim=0)
-    prompt = np.asarray(prompt, np.int32)[-window:]
     buf_bt = np.zeros((rows, window), np.int32)
     buf_bt[:, : len(prompt)] = prompt
 
@@ -142,6 +142,15 @@ def _until_stop(tokens: list[int], stop_tokens: tuple[int, ...]) -> list[int]:
         if token in stop_tokens:
             return tokens[: i + 1]
     return tokens
+
+
+def _window(setup: TrainSetup, tokens: int) -> int:
+    """The tokens a no-cache step runs: ``tokens`` rounded up to a multiple of twice the
+    device count (any sequence split, zig-zag ring included, divides it), at most
+    ``seq_len``. A causal model's logits at a position ignore the padding after it, so a
+    short sample costs what it holds, not ``seq_len`` tokens per new token."""
+    quantum = 2 * math.prod(setup.sizes.values())
+    return min(setup.config.train.seq_len, -(-tokens // quantum) * quantum)
 
 
 def _shards(setup: TrainSetup, dim: int) -> int:
