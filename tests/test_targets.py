@@ -26,6 +26,7 @@ from shardlib.config import (
     AttentionConfig,
     Config,
     MeshConfig,
+    ModelConfig,
     PrecisionConfig,
     TrainConfig,
     parse_mesh,
@@ -419,13 +420,15 @@ def test_fsdp_peak_grows_less_per_layer_than_maxtexts():
 
 
 def test_auto_splits_the_attention_heads_over_fsdp_only_where_a_tpu_shard_pads():
-    wide = {"d_model": 512, "head_dim": 64, "heads": 8, "kv_heads": 8}
-    assert fsdp.attention_split("tpu", {"fsdp": 8}, **wide)[0] == "heads"
-    assert fsdp.attention_split("gpu", {"fsdp": 8}, **wide)[0] == "embed"
-    assert fsdp.attention_split("tpu", {"fsdp": 8, "tensor": 2}, **wide)[0] == "embed"
-    assert fsdp.attention_split("tpu", {"fsdp": 4}, **wide)[0] == "embed"  # 128 per chip
-    assert fsdp.attention_split("tpu", {"fsdp": 8}, **{**wide, "head_dim": 128})[0] == "embed"
-    assert fsdp.attention_split("tpu", {"fsdp": 8}, **{**wide, "kv_heads": 2})[0] == "embed"
+    wide = ModelConfig(d_model=512, num_heads=8, num_kv_heads=8)  # heads of 64
+    split = lambda platform, sizes, **changes: fsdp.attention_split(
+        platform, sizes, dataclasses.replace(wide, **changes))[0]
+    assert wide.head_dim == 64 and split("tpu", {"fsdp": 8}) == "heads"
+    assert split("gpu", {"fsdp": 8}) == "embed"
+    assert split("tpu", {"fsdp": 8, "tensor": 2}) == "embed"
+    assert split("tpu", {"fsdp": 4}) == "embed"  # 128 per chip
+    assert split("tpu", {"fsdp": 8}, num_heads=4) == "embed"  # heads of 128
+    assert split("tpu", {"fsdp": 8}, num_kv_heads=2) == "embed"
 
 
 @needs_libtpu

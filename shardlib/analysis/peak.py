@@ -179,9 +179,7 @@ def attention_split(config: Config, sizes: Mapping[str, int]) -> str:
     resolved as the setup resolves it)."""
     if config.mesh.fsdp_attention != "auto":
         return config.mesh.fsdp_attention
-    m = config.model
-    return fsdp_lib.attention_split("tpu", sizes, d_model=m.d_model, head_dim=m.head_dim,
-                                    heads=m.num_heads, kv_heads=m.kv_heads)[0]
+    return fsdp_lib.attention_split("tpu", sizes, config.model)[0]
 
 
 def probs_bytes_per_token(config: Config, sizes: Mapping[str, int],

@@ -21,13 +21,16 @@ reduce-scatter).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
+
+if TYPE_CHECKING:
+    from shardlib.config import ModelConfig
 
 from shardlib import hooks
 from shardlib.sharding import Rules, compute_platform, logical_to_spec
@@ -49,15 +52,16 @@ def explicit_fsdp_applies(sizes: dict[str, int]) -> bool:
 TPU_LANES = 128  # the minor dim of a TPU tile: a shard with no dim this wide pads to it
 
 
-def attention_split(platform: str, sizes: Mapping[str, int], *, d_model: int, head_dim: int,
-                    heads: int, kv_heads: int) -> tuple[str, str]:
+def attention_split(platform: str, sizes: Mapping[str, int], model: ModelConfig
+                    ) -> tuple[str, str]:
     """(the attention weights' dim FSDP splits, why) for ``mesh.fsdp_attention=auto``:
     ``heads`` where an ``embed`` split would leave a TPU shard no dim as wide as a tile
     (d_model / fsdp and head_dim under ``TPU_LANES``: the (64, 8, 64) shard of 8 heads of 64
     at d_model 512 on fsdp=8 is laid out at twice its bytes, in the weights, both Adam
     moments and the gradient), the q and k/v heads divide by fsdp and tensor leaves them
     whole; else ``embed``, as every other weight."""
-    f = sizes.get("fsdp", 1)
+    f, d_model, head_dim = sizes.get("fsdp", 1), model.d_model, model.head_dim
+    heads, kv_heads = model.num_heads, model.kv_heads
     if platform != "tpu" or f <= 1 or sizes.get("tensor", 1) > 1:
         return "embed", ""
     if d_model // f >= TPU_LANES or head_dim >= TPU_LANES or heads % f or kv_heads % f:

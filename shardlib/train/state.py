@@ -210,10 +210,7 @@ def resolve_fsdp_attention(config: Config, sizes: dict[str, int], model: Model,
         return config, ()
     picked, why = ("embed", "")
     if model.has("planner"):
-        m = config.model
-        picked, why = fsdp.attention_split(platform, sizes, d_model=m.d_model,
-                                           head_dim=m.head_dim, heads=m.num_heads,
-                                           kv_heads=m.kv_heads)
+        picked, why = fsdp.attention_split(platform, sizes, config.model)
     config = replace(config, mesh=replace(config.mesh, fsdp_attention=picked))
     note = (f"mesh.fsdp_attention=auto split the attention weights' heads over fsdp: {why}; "
             "set mesh.fsdp_attention=embed to split d_model") if picked == "heads" else ""
