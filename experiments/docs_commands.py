@@ -2,8 +2,9 @@
 
 Each command runs in one scratch folder (so ``runs/a`` written by one line is read by the
 next line of its page, in page order), through the installed ``shardlib`` entry point.
-Commands the docs mark as needing what a laptop lacks (a Hugging Face checkpoint at
-``path/to/...``, a cluster, a placeholder ``...``) are listed as not runnable with the
+A Hugging Face checkpoint at ``path/to/...`` and the JSONL files the post-training pages
+read are tiny random stand-ins (``hf_files``). Commands needing what one CPU host lacks (a
+cluster, a placeholder ``...``, the ``[gpu]`` extra) are listed as not runnable with the
 reason. ``--steps N`` caps every ``train`` line at N steps (``--steps 0``: as written).
 
     python experiments/docs_commands.py                 # every page, train capped at 4 steps
@@ -11,13 +12,14 @@ reason. ``--steps N`` caps every ``train`` line at N steps (``--steps 0``: as wr
     python experiments/docs_commands.py --list          # the commands and why some are not run
 
 Prints one row per command (page, seconds, exit status, the command) and exits non-zero if
-any runnable command failed. ``tests/test_docs_as_written.py`` parses every one of these
-commands through the CLI on each CI run (seconds); this script runs them (minutes).
+any runnable command failed. ``tests/test_docs_run.py`` runs them on each CI run (train
+capped at 2 steps; about 10 minutes).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -34,7 +36,6 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs" / "how-to").glob("*.md"))]
 
 # why a command cannot run on one CPU host, by a piece of its text
 NOT_RUNNABLE = {
-    "path/to/": "needs a downloaded Hugging Face checkpoint",
     "...": "a placeholder for the flags of the line above",
     "/shared/": "a cluster's shared filesystem",
     "--coordinator 10.": "a second host",
@@ -53,7 +54,30 @@ class DocCommand:
     @property
     def why_not(self) -> str:
         own = next((why for piece, why in NOT_RUNNABLE.items() if piece in self.text), "")
+        if not own and "path/to/" in self.text and not HAS_TRANSFORMERS:
+            own = "needs a Hugging Face checkpoint (stand-ins need transformers: the dev extra)"
+        if not own and gpu_target(self.argv) and not has_cuda_plugin():
+            own = 'needs the [gpu] extra (pip install -e ".[gpu]": JAX\'s CUDA plugin)'
         return own or (f"follows a line not run here ({self.after})" if self.after else "")
+
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+
+def gpu_target(argv: tuple[str, ...]) -> bool:
+    """Whether the command compiles for a GPU ``--target`` (``h100x8``, ``a100x8``, ...)."""
+    from shardlib.target import parse_target
+
+    return any(parse_target(name).chip.platform == "gpu"
+               for name in flag_values(argv, "--target"))
+
+
+def has_cuda_plugin() -> bool:
+    """Whether JAX's CUDA plugin is installed (what ``--target h100x8`` compiles with)."""
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
 
 
 def shell_blocks(page: Path) -> list[list[str]]:
@@ -120,28 +144,99 @@ def doc_commands(pages: list[Path] = PAGES) -> list[DocCommand]:
 
 
 def capped(argv: tuple[str, ...], steps: int) -> list[str]:
-    """``argv`` with a ``train``'s steps capped (also one ``launch``\ ed: ``launch ... --
+    """``argv`` with a ``train``'s steps capped (also one that ``launch`` runs: ``launch ... --
     train ...``), eval and samples off so that the cap is the cost."""
     words = list(argv)
     command = words[words.index("--") + 1:] if "--" in words else words
     if steps <= 0 or command[:1] != ["train"]:
         return words
     if "--steps" in words:
-        words[words.index("--steps") + 1] = str(steps)
+        at = words.index("--steps") + 1
+        words[at] = str(min(steps, int(words[at])))
     else:
         words += ["--steps", str(steps)]
     return words + ["--set", "train.eval_every=0", "train.sample_tokens=0"]
 
 
-def user_files(folder: Path) -> None:
+def user_files(folder: Path, hf_root: Path | None = None) -> None:
     """What the docs assume a user has: ``corpus/*.jsonl`` (the README's own data: a few
-    hundred JSON lines of text, Python's own source as the stand-in)."""
+    hundred JSON lines of text, Python's own source as the stand-in), and where
+    ``hf_root`` holds them (``hf_files``) the downloaded checkpoints and the JSONL files."""
+    if hf_root is not None:
+        for name in ("path", "pairs.jsonl", "chat.jsonl"):
+            (folder / name).symlink_to(hf_root / name)
     corpus = folder / "corpus"
     corpus.mkdir(parents=True)
     sources = sorted(Path(os.__file__).parent.glob("[a-c]*.py"))[:40]
     for index, source in enumerate(sources):
         lines = [json.dumps({"text": chunk}) for chunk in source.read_text().split("\n\n")]
         (corpus / f"part-{index:03d}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+# a byte-level BPE's specials and ChatML with TRL's generation markers (the SFT how-to's)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+          "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}"
+          "{% endgeneration %}{{ '\\n' }}{% else %}{{ m['content'] + '<|im_end|>\\n' }}"
+          "{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def sums(count: int) -> list[tuple[str, str, str]]:
+    """(question, right answer, wrong answer): the stand-in chats' and pairs' text."""
+    return [(f"What is {i % 10} + {i // 10 % 10}? ", f"{i % 10 + i // 10 % 10}",
+             f"{i % 10 + i // 10 % 10 + 1}") for i in range(count)]
+
+
+def hf_files(root: Path) -> Path | None:
+    """Stand-ins for what the Hugging Face lines assume a user downloaded: tiny random
+    ``path/to/{llama,qwen,mixtral,qwen3-moe}`` (2 layers, 128 or 512 wide, a 300-token BPE
+    with the ChatML template), ``pairs.jsonl`` (DPO) and ``chat.jsonl`` (SFT); None without
+    ``transformers`` (the dev extra's), whose lines are then not run."""
+    try:
+        import tokenizers
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    bpe = tokenizers.Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    texts = [" ".join(row) for row in sums(100)] + ["user assistant system hello def fib(n):"]
+    bpe.train_from_iterator(texts * 4, trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIALS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=384,
+                 max_position_embeddings=1024)
+    # Llama 512 wide, heads of 64: the QLoRA line's quant_block (64) divides them, and the
+    # double quantization's 8 blocks per row split over its fsdp=8
+    wide = dict(shape, hidden_size=512, intermediate_size=512, num_attention_heads=8)
+    torch.manual_seed(0)
+    checkpoints = {
+        "llama": transformers.LlamaForCausalLM(transformers.LlamaConfig(**wide)),
+        "qwen": transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            **shape, use_sliding_window=False)),
+        "mixtral": transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **shape, num_local_experts=4, num_experts_per_tok=2)),
+        "qwen3-moe": transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **shape, head_dim=32, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=64)),
+    }
+    for name, model in checkpoints.items():
+        model.save_pretrained(root / "path" / "to" / name)
+        transformers.PreTrainedTokenizerFast(
+            tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+            chat_template=CHATML).save_pretrained(root / "path" / "to" / name)
+    (root / "pairs.jsonl").write_text("".join(
+        json.dumps({"prompt": q, "chosen": right, "rejected": wrong}) + "\n"
+        for q, right, wrong in sums(96)))
+    (root / "chat.jsonl").write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": q}, {"role": "assistant", "content": right}]}) + "\n"
+        for q, right, _ in sums(4000)))  # ~100 packed rows of 1025 tokens: a batch of 32
+    return root
 
 
 def shell_words(command: DocCommand, argv: list[str]) -> str:
@@ -171,6 +266,7 @@ def main() -> int:
     commands = [c for c in doc_commands() if not args.page or c.page == args.page]
     failed = 0
     with tempfile.TemporaryDirectory() as scratch:
+        hf_root = hf_files(Path(scratch) / "downloads") if not args.list else None
         for command in commands:
             if command.why_not or args.list:
                 why = f"not run: {command.why_not}" if command.why_not else ""
@@ -178,7 +274,7 @@ def main() -> int:
                 continue
             folder = Path(scratch) / command.page
             if not folder.exists():
-                user_files(folder)
+                user_files(folder, hf_root)
             status, seconds, tail = run(command, folder, args.steps)
             failed += status != 0
             failure = f"\n    -> {tail}" if status else ""

@@ -127,7 +127,8 @@ def test_a_docs_train_lines_microbatches_split_over_the_devices():
     from shardlib.train.state import mesh_degrees
 
     for command in DOC_COMMANDS:
-        if command.argv[:1] != ("train",) or command.why_not or "auto" in command.argv:
+        if (command.argv[:1] != ("train",) or command.why_not or "auto" in command.argv
+                or "path/to/" in command.text):  # a download's config: test_docs_run runs it
             continue
         config = config_of("shardlib " + shlex.join(command.argv))
         degrees = mesh_degrees(config, 8)

@@ -2,7 +2,8 @@
 
 ``generate``: a window of tokens runs through the model once per new token (no KV cache:
 the train step's shardings; the reference). The window is the shortest that holds the
-prompt and the new tokens, else ``seq_len`` tokens that slide. One row per batch shard, so every device works on its own sample.
+prompt and the new tokens, else ``seq_len`` tokens that slide. One row per batch shard,
+so every device works on its own sample.
 ``generate_cached``: prefill + one-token steps over a KV cache (the model's ``decode``,
 for the ``generate`` capability: the GPT's is ``models.decode``), a batch of prompts of
 different lengths, cache sharded like the activations.
