@@ -29,11 +29,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
-if TYPE_CHECKING:
-    from shardlib.config import ModelConfig
-
 from shardlib import hooks
 from shardlib.sharding import Rules, compute_platform, logical_to_spec
+
+if TYPE_CHECKING:
+    from shardlib.config import ModelConfig
 
 BATCH_AXES = ("data", "fsdp")
 
