@@ -61,7 +61,9 @@ class DocCommand:
         return own or (f"follows a line not run here ({self.after})" if self.after else "")
 
 
-HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+# what the stand-in checkpoints are made with (the dev extra's transformers and torch)
+HAS_TRANSFORMERS = all(importlib.util.find_spec(name) is not None
+                       for name in ("transformers", "torch"))
 
 
 def gpu_target(argv: tuple[str, ...]) -> bool:
@@ -173,8 +175,9 @@ def user_files(folder: Path, hf_root: Path | None = None) -> None:
         (corpus / f"part-{index:03d}.jsonl").write_text("\n".join(lines) + "\n")
 
 
-# a byte-level BPE's specials and ChatML with TRL's generation markers (the SFT how-to's)
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML with TRL's generation markers (the SFT how-to's template) and its two markers,
+# added to the stand-in tokenizer as special tokens
+CHAT_TOKENS = ["<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
           "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>' }}"
           "{% endgeneration %}{{ '\\n' }}{% else %}{{ m['content'] + '<|im_end|>\\n' }}"
@@ -191,23 +194,21 @@ def sums(count: int) -> list[tuple[str, str, str]]:
 def hf_files(root: Path) -> Path | None:
     """Stand-ins for what the Hugging Face lines assume a user downloaded: tiny random
     ``path/to/{llama,qwen,mixtral,qwen3-moe}`` (2 layers, 128 or 512 wide, a 300-token BPE
-    with the ChatML template), ``pairs.jsonl`` (DPO) and ``chat.jsonl`` (SFT); None without
-    ``transformers`` (the dev extra's), whose lines are then not run."""
-    try:
-        import tokenizers
-        import torch
-        import transformers
-    except ImportError:
+    from ``shardlib tokenizer train``'s ``train_tokenizer`` with the ChatML template),
+    ``pairs.jsonl`` (DPO) and ``chat.jsonl`` (SFT); None without ``transformers`` (the dev
+    extra's), whose lines are then not run."""
+    if not HAS_TRANSFORMERS:
         return None
-    from tokenizers import decoders, models, pre_tokenizers, trainers
+    import torch
+    import transformers
 
-    bpe = tokenizers.Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
+    from shardlib.data.tokenizer import train_tokenizer
+
+    corpus = root / "tokenizer_corpus.jsonl"
+    corpus.parent.mkdir(parents=True, exist_ok=True)
     texts = [" ".join(row) for row in sums(100)] + ["user assistant system hello def fib(n):"]
-    bpe.train_from_iterator(texts * 4, trainer=trainers.BpeTrainer(
-        vocab_size=300, special_tokens=SPECIALS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts * 4))
+    bpe = train_tokenizer([str(corpus)], 300, str(root / "tokenizer.json"))
     shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=384,
                  max_position_embeddings=1024)
@@ -228,7 +229,8 @@ def hf_files(root: Path) -> Path | None:
     for name, model in checkpoints.items():
         model.save_pretrained(root / "path" / "to" / name)
         transformers.PreTrainedTokenizerFast(
-            tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+            tokenizer_file=str(bpe.path), additional_special_tokens=CHAT_TOKENS,
+            eos_token="<|im_end|>", pad_token="<|endoftext|>",
             chat_template=CHATML).save_pretrained(root / "path" / "to" / name)
     (root / "pairs.jsonl").write_text("".join(
         json.dumps({"prompt": q, "chosen": right, "rejected": wrong}) + "\n"
