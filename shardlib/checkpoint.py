@@ -65,6 +65,11 @@ from shardlib.errors import (
 )
 from shardlib.precision import finite_flag
 
+# arrays older shardlib versions saved that no model reads now: a restore leaves them on
+# disk instead of refusing the checkpoint (LoRA's dropout key: masks are keyed by the
+# step and the rows since, ``shardlib.draws``)
+RETIRED = frozenset({"model_state.lora_dropout_key"})
+
 
 def host_copy(state: Any) -> Any:
     """Every array copied where the next (donating) step cannot touch it: to pinned host
@@ -422,9 +427,10 @@ class Checkpointer:
         step = self.resolve_step(step)
         self.verify(step)
         layout = restore_target(target)
-        self._check_fits(step, layout.tree, layout.config)
+        retired = self._check_fits(step, layout.tree, layout.config)
         read = ocp.args.PyTreeRestore(item=layout.tree, restore_args=(
-            ocp.checkpoint_utils.construct_restore_args(layout.tree)))
+            ocp.checkpoint_utils.construct_restore_args(layout.tree)),
+            partial_restore=bool(retired))  # what no model reads now is left on disk
         restored = self.guarded_read(step, "the state", lambda: self._manager.restore(
             step, args=ocp.args.Composite(state=read)))
         return restored["state"]
@@ -476,8 +482,9 @@ class Checkpointer:
             raise DamagedCheckpointError(f"checkpoint step {step} in {self.directory} is "
                                          f"damaged: reading {what} failed: {detail}") from err
 
-    def _check_fits(self, step: int, target: Any, config: Config | None) -> None:
-        """Raise CheckpointError naming the first array whose saved shape differs."""
+    def _check_fits(self, step: int, target: Any, config: Config | None) -> list[str]:
+        """Raise CheckpointError naming the first array whose saved shape differs; return
+        the saved arrays that are ``RETIRED`` (not read)."""
         saved = {path: meta.shape for path, (_, meta) in self.saved_arrays(step).items()}
         wanted = {leaf_path(k): x.shape for k, x in jax.tree_util.tree_flatten_with_path(target)[0]}
         head = f"checkpoint step {step} in {self.directory} does not fit this model"
@@ -487,11 +494,14 @@ class Checkpointer:
                     f"{head}: {path} has shape {tuple(saved[path])} in the checkpoint "
                     f"but {tuple(shape)} here{self._config_hint(step, config)}")
         missing, extra = sorted(wanted.keys() - saved), sorted(saved.keys() - wanted)
+        retired = [path for path in extra if path in RETIRED]
+        extra = [path for path in extra if path not in RETIRED]
         if missing or extra:
             raise CheckpointError(
                 f"{head}: missing in the checkpoint: {', '.join(missing[:4]) or 'none'}; "
                 f"not in this model: {', '.join(extra[:4]) or 'none'}"
                 f"{self._config_hint(step, config)}")
+        return retired
 
     def _config_hint(self, step: int, config: Config | None) -> str:
         if config is None:

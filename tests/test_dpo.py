@@ -264,7 +264,7 @@ def _write_pairs(path, count: int = 16) -> None:
 
 
 def _dpo_run(mesh: MeshConfig, path, lora: bool, objective: str = "dpo",
-             grad_accum: int = 1) -> tuple:
+             grad_accum: int = 1, dropout: float = 0.0) -> tuple:
     """(history, final trained params by path) of a 2-step DPO (or SimPO) run on ``mesh``;
     pipeline stages stream as few microbatches as they have (the most pairs in each)."""
     from shardlib.run.loop import train
@@ -274,7 +274,7 @@ def _dpo_run(mesh: MeshConfig, path, lora: bool, objective: str = "dpo",
         config, train=dataclasses.replace(config.train, data=str(path), objective=objective,
                                           seq_len=16, log_every=1, grad_accum=grad_accum),
         optim=dataclasses.replace(config.optim, lr=1e-2),
-        lora=LoRAConfig(rank=4, alpha=8.0) if lora else LoRAConfig(),
+        lora=LoRAConfig(rank=4, alpha=8.0, dropout=dropout) if lora else LoRAConfig(),
         pipeline=dataclasses.replace(config.pipeline, microbatches=mesh.pipeline))
     result = train(config, devices=jax.devices()[:int(np.prod(list(mesh.degrees().values())))])
     params = {".".join(map(str, p)): np.asarray(v.get_value())
@@ -379,8 +379,9 @@ def test_pipeline_refuses_what_its_stages_cannot_run():
     setup(MeshConfig(pipeline=2, sequence=2, data=2), "simpo")  # rows summed over sequence
     setup(MeshConfig(pipeline=2, tensor=2, data=2, sequence_parallel=True), "simpo")
     setup(MeshConfig(pipeline=2, tensor=2, data=2), rank=4)  # adapters on pipeline + tensor
-    with pytest.raises(ConfigError, match=r"lora.dropout=0.1 with --mesh pipeline=2"):
-        setup(MeshConfig(pipeline=2, data=4), rank=4, dropout=0.1)
+    setup(MeshConfig(pipeline=2, data=4), rank=4, dropout=0.1)  # rows keyed (draws)
+    with pytest.raises(ConfigError, match=r"lora.dropout=0.1 with --mesh pipeline=2,tensor=2"):
+        setup(MeshConfig(pipeline=2, tensor=2, data=2), rank=4, dropout=0.1)
 
 
 def test_bad_pairs_name_file_and_line(tmp_path):

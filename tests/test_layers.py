@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent / "shardlib"
 LAYOUT_PAGE = ROOT.parent / "docs" / "reference" / "layout.md"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("floor", ("errors", "config", "config_check", "layer_scan", "mesh", "hooks", "sharding",
-               "precision", "units", "contract", "annotations")),
+    ("floor", ("errors", "config", "config_check", "layer_scan", "mesh", "hooks", "draws",
+               "sharding", "precision", "units", "contract", "annotations")),
     ("primitives", ("collectives", "reshard", "distributed", "launch", "accelerator",
                     "target_gpu", "target")),
     ("models", ("models",)),

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 import shardlib
+from shardlib import draws
 from shardlib.config import (
     CheckpointConfig,
     Config,
@@ -172,8 +173,7 @@ def test_dropout_is_peft_formula_on_the_adapter_path_only():
     peft's formula; a zero B leaves x W exactly; eval mode is the merged weight."""
     p, d, rng = 0.25, 8, np.random.default_rng(0)
     w, x = rng.normal(size=(d, d)).astype(np.float32), np.ones((4, 64, d), np.float32)
-    key = jax.random.key(3)
-    with lora.dropout_key(key):
+    with draws.whole_batch(x.shape[0]), draws.at_step(jnp.int32(3)):
         eye = _adapted(p, w, np.eye(d, dtype=np.float32), np.eye(d, dtype=np.float32))
         kept = np.asarray(eye.project("btd,df->btf", x)) - x @ w  # s/(1-p) * mask
         np.testing.assert_allclose(np.unique(kept.round(5)), [0.0, 2.0 / (1 - p)], atol=1e-5)
@@ -192,32 +192,39 @@ def test_dropout_is_peft_formula_on_the_adapter_path_only():
                                       lora.linear("btd,df->btf", x, node[...]))
 
 
-def test_dropout_off_in_eval_fresh_per_key_and_advanced_by_the_loss():
-    """(Training with dropout on a 2x2x2 mesh like one device: tests/test_qlora.py.)"""
+def test_dropout_off_in_eval_new_each_step_and_the_same_for_any_split_of_the_rows():
+    """(Training with dropout on a 2x2x2 mesh, with grad accumulation and on pipeline
+    stages like one device: tests/test_qlora.py, tests/test_lora_dropout.py.)"""
     config = lora_config(tiny_config(MeshConfig(data=1)), alpha=8.0, dropout=0.3)
     setup = shardlib.build_setup(config, jax.devices()[:1])
     state = shardlib.init_state(setup, seed=0)
-    key0 = np.asarray(state.model_state[lora.KEY].get_value())
     module = nnx.merge(setup.graphdef, state.params, state.model_state)
     for _, node in lora.adapters(module):
         node.lora_b.set_value(jnp.full(node.lora_b.shape, 0.05))
     tokens = TOKENS[:, :8] % setup.config.model.vocab_size
 
-    @nnx.jit
-    def logits(module, key):  # the key an argument: a traced value, not a constant
-        with lora.dropout_key(key):
-            return module(tokens)
+    whole = draws.Rows(tokens.shape[0], tokens.shape[0])
+
+    def logits(module, step, rows=whole):
+        @nnx.jit
+        def run(module, step):  # the step an argument: traced, not a constant
+            with draws.batch_rows(rows), draws.at_step(step):
+                return module(tokens[rows.offset::rows.stride])
+        return run(module, jnp.int32(step))
 
     module.eval()
-    evals = np.asarray(logits(module, jax.random.key(0)))
-    np.testing.assert_array_equal(evals, np.asarray(logits(module, jax.random.key(1))))
+    evals = np.asarray(logits(module, 0))
+    np.testing.assert_array_equal(evals, np.asarray(logits(module, 1)))
     module.train()
-    a0 = np.asarray(logits(module, jax.random.key(0)))
-    np.testing.assert_array_equal(a0, np.asarray(logits(module, jax.random.key(0))))
-    a1 = np.asarray(logits(module, jax.random.key(1)))
+    a0 = np.asarray(logits(module, 0))
+    np.testing.assert_array_equal(a0, np.asarray(logits(module, 0)))
+    a1 = np.asarray(logits(module, 1))
     assert np.abs(a0 - evals).max() > 1e-4 and np.abs(a0 - a1).max() > 1e-4
-    setup.model.loss(module, {"inputs": tokens, "targets": tokens})  # advances the key
-    assert not np.array_equal(np.asarray(getattr(module, lora.KEY).get_value()), key0)
+    odd = np.asarray(logits(module, 0, whole.part(tokens.shape[0] // 2, 1, 2)))
+    np.testing.assert_allclose(odd, a0[1::2], rtol=1e-5, atol=1e-6)  # the rows' own masks
+    without = np.asarray(nnx.jit(lambda m: m(tokens))(module))  # no step's loss: no draw
+    assert np.abs(without - a0).max() > 1e-4 and not lora.Adapted.drops.fget(
+        next(node for _, node in lora.adapters(module)))
 
 
 # --- against peft ------------------------------------------------------------------------

@@ -168,7 +168,7 @@ def test_compiled_base_bytes_per_device_are_the_formula():
 def test_hf_checkpoint_is_quantized_on_the_way_in(tmp_path):
     """``--init-from`` with ``lora.base_quant``: the base's codes are those of the
     checkpoint's weights (read as plain LoRA reads them), sharded as the base; the
-    dropout key is the fresh state's."""
+    dropout salts are the fresh state's."""
     from shardlib.interop import hf
     from tests.test_lora import _tiny_hf
 
@@ -188,7 +188,10 @@ def test_hf_checkpoint_is_quantized_on_the_way_in(tmp_path):
     ours = state["blocks"]["mlp"]["w_in_df"]["base"]
     np.testing.assert_array_equal(ours["codes"].get_value(), want.codes.get_value())
     assert ours["codes"].get_value().sharding.spec[1] == "fsdp"
-    assert state[lora.KEY].get_value().shape == (2,)  # the dropout key, kept
+    fresh = shardlib.init_state(setup, seed=setup.config.train.seed).model_state
+    salt = state["blocks"]["mlp"]["w_in_df"]["salt"].get_value()
+    assert salt.shape == (2,) and salt.dtype == jnp.uint32  # one per layer, kept
+    np.testing.assert_array_equal(salt, fresh["blocks"]["mlp"]["w_in_df"]["salt"].get_value())
 
 
 def test_bad_quant_values_name_the_field():
@@ -282,9 +285,9 @@ def test_codes_are_pinned_except_nf4_on_a_tpu(fmt, platform, pinned, monkeypatch
 
 
 def test_qlora_checkpoint_resumes_like_an_uninterrupted_run(tmp_path):
-    """Two QLoRA steps (nf4, LoRA dropout: its key is state too) on ``fsdp=2``, saved,
-    restored and run two more: the losses, adapters, optimizer state, codes and dropout
-    key equal those of the run that went on, bitwise."""
+    """Two QLoRA steps (nf4, LoRA dropout: its salts are state too, its masks keyed by
+    the step) on ``fsdp=2``, saved, restored and run two more: the losses, adapters,
+    optimizer state, codes and salts equal those of the run that went on, bitwise."""
     from shardlib.checkpoint import Checkpointer
     from shardlib.train.step import make_train_step
     from tests.test_checkpoint import assert_bitwise, host_leaves, run_on
@@ -301,7 +304,7 @@ def test_qlora_checkpoint_resumes_like_an_uninterrupted_run(tmp_path):
     restored = Checkpointer(tmp_path / "ckpt").restore(setup, 2)
     codes = restored.model_state["blocks"]["mlp"]["w_in_df"]["base"]["codes"].get_value()
     assert codes.dtype == jnp.uint8 and codes.sharding.spec[1] == "fsdp"
-    assert_bitwise(host_leaves(restored), host_leaves(saved))  # codes, key, adapters, Adam
+    assert_bitwise(host_leaves(restored), host_leaves(saved))  # codes, salts, adapters, Adam
     resumed, resumed_losses = run_on(setup, step_fn, restored, 2, 2)
     assert resumed_losses == on_losses
     assert_bitwise(host_leaves(resumed), host_leaves(on))

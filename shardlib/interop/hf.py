@@ -299,7 +299,7 @@ def pretrained_state(setup: TrainSetup, path: str | os.PathLike) -> TrainState:
 def _pretrained_lora_state(setup: TrainSetup, path: str | os.PathLike) -> TrainState:
     """A fresh LoRA TrainState: the frozen base read from ``path`` in the compute dtype
     (QLoRA, ``lora.base_quant``: then quantized on the device, in one jit whose output
-    is sharded as the quantized base); the dropout key and salts as initialised."""
+    is sharded as the quantized base); the dropout salts as initialised."""
     state = init_state(setup, setup.config.train.seed)
     cfg = setup.config.lora
     plain = setup if cfg.base_quant == "none" else build_setup(
@@ -309,7 +309,7 @@ def _pretrained_lora_state(setup: TrainSetup, path: str | os.PathLike) -> TrainS
     base = load_params(path, setup.config.model, frozen(abstract_state(plain).model_state),
                        frozen(plain.state_shardings.model_state), dtype=setup.policy.compute)
     kept = [(k, v) for k, v in nnx.to_flat_state(state.model_state)
-            if isinstance(v, (lora.DropoutKey, lora.DropoutSalt))]
+            if isinstance(v, lora.DropoutSalt)]
     base = nnx.from_flat_state([*nnx.to_flat_state(base), *kept])
     if plain is setup:
         return dataclasses.replace(state, model_state=base)

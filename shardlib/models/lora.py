@@ -17,19 +17,19 @@ In training a weight the layer projects through (``layers.project``, or ``layers
 head) is not merged: it computes x W + s drop(x) A B as peft does, so the weight gradient
 autodiff forms, and reduces over the batch shards, is A's and B's alone (a merged
 weight's would be weight-sized). Dropout (peft's ``lora_dropout``) acts on the adapter's
-input x, not on its weights, so a weight read whole is refused with it. The key is one per
-loss call, drawn from a key the model keeps in its non-trained state (``DropoutKey``,
-advanced each call, so each step and microbatch draws afresh) and folded with each
-adapter's own salt (one per stacked layer), so every layer draws its own mask inside the
-layer scan; eval mode (``module.eval()``) is deterministic.
+input x, not on its weights, so a weight read whole is refused with it. It acts in a
+step's loss calls (``shardlib.draws``: the step sets which rows of its batch a call sees),
+each mask element drawn from the adapter's own salt (one per stacked layer: every layer
+draws its own mask inside the layer scan), the step, and the element's row in the step's
+batch and place in the row: so the masks are the same on one device, on any mesh, under
+gradient accumulation and in pipeline microbatches, and new each step. Eval mode
+(``module.eval()``) is deterministic.
 """
 
 from __future__ import annotations
 
-import contextvars
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from shardlib import draws
 from shardlib.annotations import declared_dims
 from shardlib.config import LoRAConfig
 from shardlib.contract import Model
@@ -47,22 +48,12 @@ from shardlib.models.layers import OwnProjection, linear, plus_low_rank
 
 STACK_DIMS = ("layers", "expert")  # leading dims an adapter keeps (one adapter per layer)
 BASE = "base"  # the attribute an ``Adapted`` keeps the frozen weight under
-KEY = "lora_dropout_key"  # the attribute the adapted model keeps its dropout key under
 FACTORS = ("lora_a", "lora_b")  # the attributes an ``Adapted`` keeps A and B under
-
-# the dropout key of the loss now being traced (``dropout_key``); None: no dropout
-_KEY: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
-    "shardlib_lora_dropout_key", default=None)
-
-
-class DropoutKey(nnx.Variable):
-    """The adapted model's dropout key (raw ``uint32`` key data): non-trained state,
-    split on every training loss call (``with_lora``)."""
 
 
 class DropoutSalt(nnx.Variable):
-    """An adapter's ``uint32`` salt, one per stacked layer: folded into the loss's key,
-    it gives every adapter and layer its own dropout mask."""
+    """An adapter's ``uint32`` salt, one per stacked layer: the key of its dropout masks
+    (with the step, ``draws.bits``), so every adapter and layer draws its own."""
 
 
 def scale(cfg: LoRAConfig) -> float:
@@ -156,8 +147,8 @@ class Adapted(OwnProjection):
 
     @property
     def drops(self) -> bool:
-        """Whether dropout is on now: a rate, training mode, and a loss's key."""
-        return bool(self.dropout) and not self.deterministic and _KEY.get() is not None
+        """Whether dropout is on now: a rate, training mode, and a step's loss call."""
+        return bool(self.dropout) and not self.deterministic and draws.active()
 
     @property
     def projects(self) -> bool:
@@ -221,9 +212,7 @@ class Adapted(OwnProjection):
         """``x`` with peft's dropout when it is on (``drops``), else as it is."""
         if not self.drops:
             return x
-        key = jax.random.fold_in(_KEY.get(), self.salt[...])
-        keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape,
-                                    out_sharding=jax.typeof(x).sharding)
+        keep = draws.keep_mask(self.salt[...], 1.0 - self.dropout, x)
         return jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros_like(x))
 
 
@@ -279,8 +268,6 @@ def add_adapters(module: nnx.Module, cfg: LoRAConfig, rngs: nnx.Rngs,
             parent[key[-1]] = adapted
         else:
             setattr(parent, key[-1], adapted)
-    if cfg.dropout:
-        setattr(module, KEY, DropoutKey(jax.random.key_data(rngs.params()), logical=(None,)))
     return module
 
 
@@ -368,32 +355,6 @@ def check(cfg: LoRAConfig) -> None:
                           " 0.05 or 0.1 is usual)")
 
 
-@contextmanager
-def dropout_key(key: jax.Array | None):
-    """Adapters with dropout draw their masks from ``key`` (a typed key) in this block."""
-    token = _KEY.set(key)
-    try:
-        yield
-    finally:
-        _KEY.reset(token)
-
-
-def with_dropout(loss: Callable) -> Callable:
-    """``loss(module, batch)`` under a fresh dropout key split from the module's own
-    (``DropoutKey``), which it advances; as is for a module without one."""
-
-    def run(module: nnx.Module, batch: Any) -> Any:
-        var = getattr(module, KEY, None)
-        if not isinstance(var, DropoutKey):
-            return loss(module, batch)
-        use, keep = jax.random.split(jax.random.wrap_key_data(var[...]))
-        var[...] = jax.random.key_data(keep)
-        with dropout_key(use):
-            return loss(module, batch)
-
-    return run
-
-
 def with_lora(model: Model, cfg: LoRAConfig, dtype: Any = None) -> Model:
     """``model`` whose ``build`` adds adapters (``add_adapters``) and whose trained
     variables are the adapters alone; the frozen weights become its non-trained state."""
@@ -402,5 +363,4 @@ def with_lora(model: Model, cfg: LoRAConfig, dtype: Any = None) -> Model:
     def build(rngs: nnx.Rngs) -> nnx.Module:
         return add_adapters(model.build(rngs), cfg, rngs, dtype)
 
-    loss = with_dropout(model.loss) if cfg.dropout else model.loss
-    return replace(model, build=build, loss=loss, trainable=nnx.LoRAParam)
+    return replace(model, build=build, trainable=nnx.LoRAParam)

@@ -14,7 +14,7 @@ from functools import partial
 import jax
 from flax import nnx
 
-from shardlib import precision
+from shardlib import draws, precision
 from shardlib.contract import Batch, Metrics
 from shardlib.parallel import context, fsdp, tensor, units
 from shardlib.sharding import Rules, activation_rules
@@ -80,8 +80,9 @@ def loss_and_metrics(setup: TrainSetup, params: nnx.State,
             batch_spec=setup.batch_sharding.spec, cast=cast, rules=setup.rules,
             reshard_after_forward=reshard,
             sequence_parallel=setup.config.mesh.sequence_parallel)
-    if not explicit_fsdp_applies(setup):
-        return model_loss(setup, setup.rules, cast(params), batch)  # XLA's partitioner
+    if not explicit_fsdp_applies(setup):  # XLA's partitioner: the global view
+        with draws.batch_rows(draws.rows_or_whole(batch)):
+            return model_loss(setup, setup.rules, cast(params), batch)
     manual = fsdp.manual_axes(setup.sizes)
     local_rules = {dim: tuple(a for a in axes if a not in manual)
                    for dim, axes in setup.rules.items()}
@@ -99,7 +100,8 @@ def loss_metrics_state(setup: TrainSetup, params: nnx.State, batch: Batch,
     if model_state is None:
         return (*loss_and_metrics(setup, params, batch), None)
     cast = precision.cast_params(params, policy=setup.policy)
-    return run_model_loss(setup, setup.rules, cast, batch, model_state, training=training)
+    with draws.batch_rows(draws.rows_or_whole(batch)):  # its random draws: shardlib.draws
+        return run_model_loss(setup, setup.rules, cast, batch, model_state, training=training)
 
 
 def explicit_tensor_applies(setup: TrainSetup) -> bool:

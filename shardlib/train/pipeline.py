@@ -67,7 +67,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from shardlib import hooks, precision
+from shardlib import draws, hooks, precision
 from shardlib.contract import pick
 from shardlib.parallel import fsdp, tensor
 from shardlib.sharding import spec_axes
@@ -122,8 +122,8 @@ def run_if(pred: jax.Array, body: Callable[[tuple], tuple], carry: tuple) -> tup
 
 def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params: nnx.State,
                  batch_mbt: Microbatch, dloss: jax.Array, act_shape: tuple[int, ...],
-                 dtype: jnp.dtype, parts: Parts, trained: nnx.State | None = None
-                 ) -> tuple[Parts, nnx.State]:
+                 dtype: jnp.dtype, parts: Parts, trained: nnx.State | None = None,
+                 rows: draws.Rows | None = None) -> tuple[Parts, nnx.State]:
     """Inside shard_map: run the tick table; return (this stage's loss parts summed over
     its microbatches, starting from the zeros ``parts``; its parameter gradients for
     cotangent ``dloss`` per microbatch objective: of the part of ``params`` at the paths
@@ -131,7 +131,9 @@ def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params:
     ``schedule`` gives the shapes (stages, slots, chunks), whether B and W are split and
     whether forwards keep their residuals (``kept``), ``table_tpc`` the operations;
     ``batch_mbt`` holds every key of the batch split into microbatches, and ``act_shape``
-    is the (b, T, D) of an activation passed between stages."""
+    is the (b, T, D) of an activation passed between stages. ``rows``: this device's rows
+    of the step's batch, before the split into microbatches (what its random draws key
+    on, ``shardlib.draws``); None: the stages draw nothing."""
     p, v = schedule.stages, schedule.virtual
     params = pipeline_chunks.deal(params, p, v, AXIS)  # chunk c: model stage c P + me
     grads0 = jax.tree.map(jnp.zeros_like, params if trained is None else pick(params, trained))
@@ -141,7 +143,7 @@ def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params:
         mb0 = {key: x_mbt[0] for key, x_mbt in batch_mbt.items()}
         tapes, layouts = stage.tape_buffers(pipeline_chunks.chunk(params, jnp.int32(0), v),
                                             zeros_btd, mb0, schedule.tape_slots)
-    tick = _tick(stage, schedule, params, batch_mbt, dloss, zeros_btd, layouts)
+    tick = _tick(stage, schedule, params, batch_mbt, dloss, zeros_btd, layouts, rows)
     init = (jnp.zeros((schedule.act_slots + 1, *act_shape), dtype),  # + scratch slot
             jnp.zeros((schedule.grad_slots + 1, *act_shape), dtype), tapes, grads0, parts)
     (_, _, _, grads, parts), _ = jax.lax.scan(tick, init, table_tpc)
@@ -149,7 +151,8 @@ def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params:
 
 
 def _tick(stage: Stage, schedule: Schedule, params: nnx.State, batch_mbt: Microbatch,
-          dloss: jax.Array, zeros_btd: jax.Array, layouts: Layouts | None) -> Callable:
+          dloss: jax.Array, zeros_btd: jax.Array, layouts: Layouts | None,
+          rows: draws.Rows | None = None) -> Callable:
     """One tick of ``run_schedule``'s scan: this device's op (a forward, a backward: B,
     and W under a split schedule), then the stage-to-stage permutes."""
     p, v, split, kept = schedule.stages, schedule.virtual, schedule.split_backward, schedule.kept
@@ -159,6 +162,14 @@ def _tick(stage: Stage, schedule: Schedule, params: nnx.State, batch_mbt: Microb
     to_prev = [(s, (s - 1) % p) for s in range(0 if ring else 1, p)]
 
     def tick(carry: tuple, table_pc: jax.Array) -> tuple[tuple, None]:
+        m = table_pc[me, 1]
+        if rows is None:
+            return ops(carry, table_pc)
+        per = rows.count // schedule.microbatches  # microbatch m: rows m per, ... here
+        with draws.batch_rows(rows.part(per, m * per)):
+            return ops(carry, table_pc)
+
+    def ops(carry: tuple, table_pc: jax.Array) -> tuple[tuple, None]:
         acts_kbtd, cots_kbtd, tapes, grads, parts = carry
         op, m, a_read, a_recv, g_read, g_recv, c, r = (table_pc[me, i] for i in range(8))
         is_first, is_last = (me == 0) & (c == 0), (me == p - 1) & (c == v - 1)
@@ -203,6 +214,11 @@ def _tick(stage: Stage, schedule: Schedule, params: nnx.State, batch_mbt: Microb
                 grads, parts), None
 
     return tick
+
+
+def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def reduce_grads(grads: nnx.State, specs: nnx.State, sizes: Mapping[str, int], *,
@@ -263,6 +279,7 @@ def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, 
     specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
     count = schedule.microbatches
     shards = batch_shards(sizes) * sizes.get(SEQ_AXIS, 1)  # the loss is a mean over these
+    outer, row_axes = draws.rows_or_whole(batch), _axes(setup.batch_sharding.spec[0])
     gather = fsdp.weight_gatherer(setup.rules, sizes,
                                   lambda x: precision.cast_params(x, policy=setup.policy))
     parts0 = zero_parts(setup)
@@ -281,8 +298,9 @@ def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, 
         trained = None if frozen_shard is None else params_shard
         whole = params_shard if frozen_shard is None else nnx.merge_state(params_shard,
                                                                           frozen_shard)
+        mine = draws.device_rows(outer, row_axes, jax.tree.leaves(batch_shard)[0].shape[0])
         run = lambda p: run_schedule(stage, schedule, table_tpc, p, batch_mbt,  # noqa: E731
-                                     dloss, shape, setup.policy.compute, parts0, trained)
+                                     dloss, shape, setup.policy.compute, parts0, trained, mine)
         with layer_strategies(config, sizes), contextlib.ExitStack() as stack:
             if per_layer:  # each tick gathers layer by layer; grads come back scattered
                 stack.enter_context(hooks.gathering_weights(gather,

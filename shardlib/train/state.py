@@ -235,12 +235,17 @@ def check_capabilities(config: Config, sizes: dict[str, int], model: Model) -> N
 def check_pipeline_lora(config: Config, sizes: dict[str, int]) -> None:
     """The stages carry a LoRA model's frozen base, quantized or not, beside its adapters
     (their gradients summed over ``tensor`` where each device holds a part,
-    ``tensor.region_factors``), but not a dropout key per microbatch."""
+    ``tensor.region_factors``). Dropout draws each row's mask from its place in the step's
+    batch (``shardlib.draws``), which inside a stage is known for whole rows only: not
+    where a row's tokens or features are split over ``sequence`` or ``tensor``."""
     lc, stages = config.lora, sizes["pipeline"]
-    if lc.dropout:
-        raise ConfigError(f"lora.dropout={lc.dropout} with --mesh pipeline={stages}: the "
-                          "stages draw no dropout keys; set lora.dropout=0, or use data / "
-                          "fsdp / tensor axes")
+    split = [f"{axis}={sizes[axis]}" for axis in ("sequence", "tensor") if sizes.get(axis, 1) > 1]
+    if lc.dropout and split:
+        raise ConfigError(f"lora.dropout={lc.dropout} with --mesh pipeline={stages},"
+                          f"{','.join(split)}: inside a stage a row split over "
+                          f"{' and '.join(s.split('=')[0] for s in split)} has no global "
+                          "place to key its dropout mask on; set lora.dropout=0, or use "
+                          "pipeline with data / fsdp axes")
 
 
 def check_builtin(config: Config, sizes: dict[str, int]) -> None:

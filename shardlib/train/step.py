@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardlib import precision
+from shardlib import draws, precision
 from shardlib.sharding import compiling_for
 from shardlib.train import comm, diloco, nonfinite, pipeline, pipeline_check, pipeline_local
 from shardlib.train.objective import (  # noqa: F401  (loss_fn, model_loss: public here too)
@@ -68,12 +68,16 @@ def loss_grads_and_state(setup: TrainSetup, params: nnx.State, batch: Batch,
         parts, grads = pipeline_loss_and_grads(setup, params, batch, scale, count,
                                                model_state)  # LoRA: the frozen base
         return parts["loss"], pin(grads), parts, model_state
+    rows = draws.rows_or_whole(batch)  # microbatch k: rows k, k + count, ... (draws)
     if count == 1:
-        (loss, (metrics, model_state)), grads = grad_fn(params, batch, model_state)
+        with draws.batch_rows(rows):
+            (loss, (metrics, model_state)), grads = grad_fn(params, batch, model_state)
     else:
-        def accumulate(carry, microbatch):
+        def accumulate(carry, k_microbatch):
             loss_sum, metric_sums, grad_sums, ms = carry
-            (loss, (metrics, ms)), grads = grad_fn(params, microbatch, ms)
+            k, microbatch = k_microbatch
+            with draws.batch_rows(rows.part(rows.count // count, k, count)):
+                (loss, (metrics, ms)), grads = grad_fn(params, microbatch, ms)
             loss_sum, metric_sums = jax.tree.map(jnp.add, (loss_sum, metric_sums),
                                                  (loss, metrics))
             return (loss_sum, metric_sums, pin(jax.tree.map(jnp.add, grad_sums, grads)), ms), None
@@ -85,7 +89,7 @@ def loss_grads_and_state(setup: TrainSetup, params: nnx.State, batch: Batch,
         init = (*jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[0], shapes[1][0])),
                 zeros, model_state)
         (loss, metrics, grads, model_state), _ = jax.lax.scan(
-            accumulate, init, microbatches(setup, batch, count))
+            accumulate, init, (jnp.arange(count), microbatches(setup, batch, count)))
         metrics = jax.tree.map(lambda m: m / count, metrics)
     unscale = 1.0 / (scale * count)
     grads = pin(jax.tree.map(lambda g: g * unscale.astype(g.dtype), grads))
@@ -103,13 +107,18 @@ def pipeline_loss_and_grads(setup: TrainSetup, params: nnx.State, batch: Batch,
         return pipeline.loss_parts_and_grads(setup, params, batch, scale, frozen=frozen)
     pin = lambda g: jax.lax.with_sharding_constraint(g, setup.grad_shardings)  # noqa: E731
 
-    def accumulate(carry: tuple, chunk: Batch) -> tuple[tuple, None]:
-        parts, grads = pipeline.loss_parts_and_grads(setup, params, chunk, scale,
-                                                     frozen=frozen)
+    rows = draws.rows_or_whole(batch)
+
+    def accumulate(carry: tuple, k_chunk: tuple) -> tuple[tuple, None]:
+        k, chunk = k_chunk
+        with draws.batch_rows(rows.part(rows.count // count, k, count)):
+            parts, grads = pipeline.loss_parts_and_grads(setup, params, chunk, scale,
+                                                         frozen=frozen)
         return jax.tree.map(jnp.add, carry, (parts, pin(grads))), None
 
     init = (pipeline_local.zero_parts(setup), pin(jax.tree.map(jnp.zeros_like, params)))
-    (parts, grads), _ = jax.lax.scan(accumulate, init, microbatches(setup, batch, count))
+    (parts, grads), _ = jax.lax.scan(accumulate, init,
+                                     (jnp.arange(count), microbatches(setup, batch, count)))
     return jax.tree.map(lambda x: (x / count).astype(x.dtype), (parts, grads))
 
 
@@ -152,7 +161,7 @@ def guarded_train_step(setup: TrainSetup, state: TrainState,
                        batch: Batch) -> tuple[TrainState, Metrics]:
     """``train_step`` under the ``train.on_nonfinite`` policy (``train.nonfinite``): with
     ``skip`` a step with a NaN/inf loss or grad norm keeps the old state."""
-    with compiling_for(setup.mesh):  # the mesh's platform picks kernels, not the host's
+    with compiling_for(setup.mesh), draws.at_step(state.step):  # kernels: the mesh's platform
         new_state, metrics = train_step(setup, state, batch)
     return nonfinite.guard_step(setup.config.train, setup.policy.loss_scaling, state,
                                 new_state, metrics), metrics

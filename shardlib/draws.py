@@ -1,0 +1,147 @@
+"""Random draws keyed by where an element sits in the step's batch, not by the array that
+draws it: a dropout mask is the same on one device, on any mesh, under any
+gradient-accumulation split and in any pipeline microbatch.
+
+The step says which step it is (``at_step``) and which of its batch's rows a loss call
+sees (``batch_rows``: an affine map, so that grad accumulation's strided microbatches, a
+device's block of rows inside ``shard_map`` and the pipeline's microbatches compose).
+``bits(seed, x)`` then gives each element of an activation ``x`` Threefry-2x32 bits (the
+counter-based hash ``jax.random`` itself runs) of (seed, step) as the key and (global
+row, index within the row) as the counter. ``x``'s leading dim holds the loss call's
+rows, or a whole number of copies of each row interleaved (a preference pair's chosen
+and rejected rows side by side, or tokens flattened row-major): row ``i`` is copy ``i %
+c`` of the call's row ``i // c``. Where the rest of a row is split over a manual
+``shard_map`` axis the index within the row is the local one: the pipeline refuses
+dropout there (``train.state``).
+
+Outside a step's loss call (no ``batch_rows``) nothing draws: ``active()`` is False. The
+global-view objective sets the whole batch's rows where the step set none
+(``rows_or_whole``); inside a ``shard_map`` the caller sets its device's block
+(``device_rows``), as the pipeline does; the explicit FSDP / Megatron steps set none, so
+nothing draws there (a LoRA model, whose frozen base is non-trained state, never runs
+them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.extend.random import threefry2x32_p
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Row ``j`` (< ``count``) of a loss call's batch is row ``offset + stride * j`` of the
+    step's batch of ``total`` rows."""
+
+    count: int
+    total: int
+    offset: jax.Array | int = 0
+    stride: int = 1
+
+    def part(self, count: int, offset: jax.Array | int = 0, stride: int = 1) -> Rows:
+        """The rows of a slice of these: its row ``j`` is row ``offset + stride * j`` here."""
+        return Rows(count, self.total, self.offset + self.stride * offset, self.stride * stride)
+
+
+_STEP: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
+    "shardlib_draw_step", default=None)
+_ROWS: contextvars.ContextVar[Rows | None] = contextvars.ContextVar(
+    "shardlib_draw_rows", default=None)
+
+
+@contextlib.contextmanager
+def _setting(var: contextvars.ContextVar, value: object) -> Iterator[None]:
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+def at_step(step: jax.Array) -> contextlib.AbstractContextManager[None]:
+    """Draws in this block are the optimizer step ``step``'s (an integer scalar)."""
+    return _setting(_STEP, step)
+
+
+def batch_rows(rows: Rows) -> contextlib.AbstractContextManager[None]:
+    """A loss call in this block sees ``rows`` of the step's batch."""
+    return _setting(_ROWS, rows)
+
+
+def whole_batch(count: int) -> contextlib.AbstractContextManager[None]:
+    """A loss call in this block sees the step's whole batch of ``count`` rows."""
+    return batch_rows(Rows(count, count))
+
+
+def rows_or_whole(batch: object) -> Rows:
+    """The rows set for this loss call, or the whole of ``batch`` (a pytree of arrays
+    whose leading dim is its rows) where none were."""
+    return rows() or Rows(jax.tree.leaves(batch)[0].shape[0], jax.tree.leaves(batch)[0].shape[0])
+
+
+def device_rows(outer: Rows, axes: tuple[str, ...], count: int) -> Rows:
+    """Inside shard_map: this device's ``count`` rows of ``outer``, whose rows are split
+    in blocks over the manual ``axes`` (in their PartitionSpec's order)."""
+    index = jax.lax.axis_index(axes) if axes else 0
+    return outer.part(count, index * count)
+
+
+def rows() -> Rows | None:
+    """The rows the loss call now traced sees, or None outside a step."""
+    return _ROWS.get()
+
+
+def step() -> jax.Array | None:
+    """The step whose draws are now traced, or None where the step set none (step 0)."""
+    return _STEP.get()
+
+
+def active() -> bool:
+    """Whether a loss call of a step is being traced (``batch_rows`` set)."""
+    return _ROWS.get() is not None
+
+
+def _iota(x: jax.Array, dim: int) -> jax.Array:
+    """Each element's index along ``dim``, laid out as ``x``."""
+    return jax.lax.broadcasted_iota(jnp.uint32, x.shape, dim, out_sharding=jax.typeof(x).sharding)
+
+
+def counters(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(global row, index within the row) of each element of ``x``, as uint32."""
+    n = x.shape[0]
+    where = rows() or Rows(n, n)
+    i = _iota(x, 0)
+    within = jnp.zeros_like(i)
+    for dim in range(1, x.ndim):
+        within = within * jnp.uint32(x.shape[dim]) + _iota(x, dim)
+    if n % where.count:  # a leading dim that is not the call's rows: its own index
+        return i, within
+    copies = n // where.count
+    offset = jnp.asarray(where.offset).astype(jnp.uint32)
+    row = offset + jnp.uint32(where.stride) * (i // jnp.uint32(copies))
+    return row * jnp.uint32(copies) + i % jnp.uint32(copies), within
+
+
+def bits(seed: jax.Array, x: jax.Array) -> jax.Array:
+    """uint32 bits, one per element of ``x`` (its shape and sharding), keyed by ``seed``
+    (a uint32 scalar: the drawing layer's own) and the step, counted by the element's
+    global row and its index within the row."""
+    now = step()
+    key = (jnp.asarray(seed, jnp.uint32),
+           jnp.zeros((), jnp.uint32) if now is None else jnp.asarray(now).astype(jnp.uint32))
+    row, within = counters(x)
+    same = row * 0 + within * 0  # one type for all four (inside shard_map: varying axes)
+    hi, lo = threefry2x32_p.bind(*(k + same for k in key), row + same, within + same)
+    return hi ^ lo
+
+
+def keep_mask(seed: jax.Array, keep: float, x: jax.Array) -> jax.Array:
+    """A bool mask like ``x``, each element True with probability ``keep``."""
+    threshold = jnp.uint32(min(int(keep * 2.0 ** 32), 2 ** 32 - 1))
+    return bits(seed, x) < threshold
