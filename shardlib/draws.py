@@ -17,9 +17,10 @@ dropout there (``train.state``).
 Outside a step's loss call (no ``batch_rows``) nothing draws: ``active()`` is False. The
 global-view objective sets the whole batch's rows where the step set none
 (``rows_or_whole``); inside a ``shard_map`` the caller sets its device's block
-(``device_rows``), as the pipeline does; the explicit FSDP / Megatron steps set none, so
-nothing draws there (a LoRA model, whose frozen base is non-trained state, never runs
-them).
+(``device_rows``), as the pipeline and the explicit FSDP step do. The explicit Megatron
+step (a row's tokens may be split over ``tensor``) and the compressed-reduction and
+DiLoCo steps set None: nothing draws there (a LoRA model, whose frozen base is
+non-trained state, runs none of them).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def at_step(step: jax.Array) -> contextlib.AbstractContextManager[None]:
     return _setting(_STEP, step)
 
 
-def batch_rows(rows: Rows) -> contextlib.AbstractContextManager[None]:
-    """A loss call in this block sees ``rows`` of the step's batch."""
+def batch_rows(rows: Rows | None) -> contextlib.AbstractContextManager[None]:
+    """A loss call in this block sees ``rows`` of the step's batch (None: nothing draws)."""
     return _setting(_ROWS, rows)
 
 

@@ -194,7 +194,7 @@ def test_dropout_is_peft_formula_on_the_adapter_path_only():
 
 def test_dropout_off_in_eval_new_each_step_and_the_same_for_any_split_of_the_rows():
     """(Training with dropout on a 2x2x2 mesh, with grad accumulation and on pipeline
-    stages like one device: tests/test_qlora.py, tests/test_lora_dropout.py.)"""
+    stages like one device: tests/test_qlora.py, tests/test_draws.py.)"""
     config = lora_config(tiny_config(MeshConfig(data=1)), alpha=8.0, dropout=0.3)
     setup = shardlib.build_setup(config, jax.devices()[:1])
     state = shardlib.init_state(setup, seed=0)

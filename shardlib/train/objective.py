@@ -75,20 +75,28 @@ def loss_and_metrics(setup: TrainSetup, params: nnx.State,
     reshard = setup.config.mesh.reshard_after_forward
     specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
     if explicit_tensor_applies(setup):
-        return tensor.tensor_loss(
-            partial(model_loss, setup, {}), params, batch, mesh=setup.mesh, param_specs=specs,
-            batch_spec=setup.batch_sharding.spec, cast=cast, rules=setup.rules,
-            reshard_after_forward=reshard,
-            sequence_parallel=setup.config.mesh.sequence_parallel)
+        with draws.batch_rows(None):  # a row's tokens may be split: nothing draws
+            return tensor.tensor_loss(
+                partial(model_loss, setup, {}), params, batch, mesh=setup.mesh,
+                param_specs=specs,
+                batch_spec=setup.batch_sharding.spec, cast=cast, rules=setup.rules,
+                reshard_after_forward=reshard,
+                sequence_parallel=setup.config.mesh.sequence_parallel)
     if not explicit_fsdp_applies(setup):  # XLA's partitioner: the global view
         with draws.batch_rows(draws.rows_or_whole(batch)):
             return model_loss(setup, setup.rules, cast(params), batch)
     manual = fsdp.manual_axes(setup.sizes)
     local_rules = {dim: tuple(a for a in axes if a not in manual)
                    for dim, axes in setup.rules.items()}
-    return fsdp.fsdp_loss(partial(model_loss, setup, local_rules), params, batch,
-                          mesh=setup.mesh, param_specs=specs, rules=setup.rules,
-                          reshard_after_forward=reshard, cast=cast)
+    outer = draws.rows_or_whole(batch)
+
+    def local_loss(params_shard: nnx.State, batch_shard: Batch) -> tuple[jax.Array, Metrics]:
+        rows = draws.device_rows(outer, manual, jax.tree.leaves(batch_shard)[0].shape[0])
+        with draws.batch_rows(rows):  # this device's block of the batch's rows
+            return model_loss(setup, local_rules, params_shard, batch_shard)
+
+    return fsdp.fsdp_loss(local_loss, params, batch, mesh=setup.mesh, param_specs=specs,
+                          rules=setup.rules, reshard_after_forward=reshard, cast=cast)
 
 
 def loss_metrics_state(setup: TrainSetup, params: nnx.State, batch: Batch,

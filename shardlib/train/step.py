@@ -128,11 +128,13 @@ def train_step(setup: TrainSetup, state: TrainState, batch: Batch) -> tuple[Trai
     The ``comm.*`` options route to ``train.comm`` (compressed, two-level gradient
     reduction) or ``train.diloco`` (infrequent synchronisation)."""
     if comm.diloco_enabled(setup.config.comm):
-        return diloco.diloco_step(setup, state, batch, lr_at(setup, state.step))
+        with draws.batch_rows(None):  # its replicas' shard_map sets no rows: no draws
+            return diloco.diloco_step(setup, state, batch, lr_at(setup, state.step))
     scaling, comm_state, model_state = state.loss_scale, state.comm, state.model_state
     if comm.enabled(setup.config.comm):
-        _, grads, loss_parts, ef = comm.loss_and_grads(setup, state.params, batch,
-                                                       scaling.scale, state.comm.ef)
+        with draws.batch_rows(None):  # as DiLoCo's
+            _, grads, loss_parts, ef = comm.loss_and_grads(setup, state.params, batch,
+                                                           scaling.scale, state.comm.ef)
         comm_state = comm.CommState(ef=ef)
     else:
         _, grads, loss_parts, model_state = loss_grads_and_state(

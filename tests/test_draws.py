@@ -1,17 +1,25 @@
-"""LoRA dropout draws each mask element from its place in the step's batch
-(``shardlib.draws``), so training with it is the same computation however the batch is
-split: gradient accumulation's strided microbatches and pipeline stages' microbatches
-equal one device taking the whole batch at once, and DPO's interleaved pair rows too."""
+"""Random draws keyed by each element's place in the step's batch (``shardlib.draws``):
+training with them is the same computation however the batch is split. LoRA dropout
+under gradient accumulation's strided microbatches and in pipeline stages' microbatches
+equals one device taking the whole batch at once, DPO's interleaved pair rows too; a
+user's model drawing its own dropout equals one device on the explicit FSDP step."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+import shardlib
+from shardlib import draws
 from shardlib.config import LoRAConfig, MeshConfig
-from tests.helpers import assert_like_one_device, run_steps, tiny_config
+from shardlib.train import objective
+from tests.helpers import TOL, assert_like_one_device, assert_tensors_close, run_steps, tiny_config
+from tests.user_models import CLASSES, IMAGE, IMAGES, classify
 
 
 def _config(mesh: MeshConfig, dropout: float = 0.3, accum: int = 1):
@@ -61,11 +69,6 @@ def test_dpo_pair_rows_draw_like_one_device_on_pipeline_stages(tmp_path):
 def test_a_checkpoint_with_the_retired_dropout_key_restores(tmp_path):
     """Before ``shardlib.draws`` a LoRA model kept a dropout key in its state
     (``lora_dropout_key``); its checkpoints restore, the key left on disk."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    import shardlib
     from shardlib.checkpoint import Checkpointer
     from tests.test_checkpoint import assert_bitwise, host_leaves
 
@@ -79,3 +82,33 @@ def test_a_checkpoint_with_the_retired_dropout_key_restores(tmp_path):
     checkpointer.close()
     assert_bitwise(host_leaves(Checkpointer(tmp_path / "ckpt").restore(setup, 0)),
                    host_leaves(state))
+
+
+class _DrawnDropoutMLP(nnx.Module):
+    """A user's MLP whose dropout draws through ``shardlib.draws`` (no RNG state)."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.up = nnx.Linear(IMAGE * IMAGE * 3, 64, rngs=rngs)
+        self.out = nnx.Linear(64, CLASSES, rngs=rngs)
+
+    def __call__(self, images_bhwc):
+        x = jax.nn.relu(self.up(images_bhwc.reshape(images_bhwc.shape[0], -1)))
+        if draws.active():  # a step's loss call
+            x = jnp.where(draws.keep_mask(jnp.uint32(1), 0.7, x), x / 0.7, 0.0)
+        return self.out(x)
+
+
+def test_a_user_models_draws_on_the_explicit_fsdp_step_like_one_device():
+    """With no non-trained state the model runs in the explicit FSDP step's shard_map,
+    which gives each device its block of the batch's rows (``draws.device_rows``)."""
+    from tests.test_any_model import run_user, user_config
+
+    model = shardlib.Model(build=lambda rngs: _DrawnDropoutMLP(rngs=rngs), loss=classify,
+                           batch=IMAGES, name="drawn-dropout")
+    one = run_user(model, user_config(MeshConfig(data=1)), devices=1)
+    for mesh, accum, devices in ((MeshConfig(fsdp=8), 1, 8), (MeshConfig(data=2, fsdp=2), 2, 4)):
+        losses, params, _, setup = run_user(model, user_config(mesh, grad_accum=accum),
+                                            devices)
+        assert objective.explicit_fsdp_applies(setup)
+        np.testing.assert_allclose(losses, one[0], rtol=TOL)
+        assert_tensors_close(params, one[1], TOL)
