@@ -137,9 +137,25 @@ def bits(seed: jax.Array, x: jax.Array) -> jax.Array:
     key = (jnp.asarray(seed, jnp.uint32),
            jnp.zeros((), jnp.uint32) if now is None else jnp.asarray(now).astype(jnp.uint32))
     row, within = counters(x)
-    same = row * 0 + within * 0  # one type for all four (inside shard_map: varying axes)
-    hi, lo = threefry2x32_p.bind(*(k + same for k in key), row + same, within + same)
+    hi, lo = threefry2x32_p.bind(*_varying(*key, row, within))
     return hi ^ lo
+
+
+def _varying(*xs: jax.Array) -> list[jax.Array]:
+    """``xs`` as Threefry takes them. Inside a ``shard_map`` that checks varying axes, a
+    device's row offset varies and the keys and iotas do not: all four are then broadcast
+    to one shape and type. Elsewhere the keys stay scalars (a key broadcast to the
+    activation's shape makes XLA CPU's Threefry several times slower)."""
+    if not any(_varying_axes(x) for x in xs):
+        return list(xs)
+    same = sum(x * 0 for x in xs if x.ndim)  # zeros of the activation's shape and type
+    return [x + same for x in xs]
+
+
+def _varying_axes(x: jax.Array) -> frozenset[str]:
+    """The manual axes ``x`` varies over (empty outside a ``shard_map`` that checks)."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", ()))
 
 
 def keep_mask(seed: jax.Array, keep: float, x: jax.Array) -> jax.Array:

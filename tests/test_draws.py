@@ -30,6 +30,42 @@ def _config(mesh: MeshConfig, dropout: float = 0.3, accum: int = 1):
         train=dataclasses.replace(config.train, grad_accum=accum))
 
 
+def _mask(x, rows, seed=7, step=3):
+    with draws.batch_rows(rows), draws.at_step(jnp.int32(step)):
+        return draws.keep_mask(jnp.uint32(seed), 0.7, x)
+
+
+def test_a_rows_mask_is_the_same_however_the_batch_is_split():
+    """One mask of (8, 6, 4), drawn whole; on a (data, tensor) mesh; as grad accumulation's
+    strided halves; as each device's block inside a shard_map that checks varying axes;
+    and as pair rows (16 interleaved rows of 8 pairs, a slice of 4 pairs at once)."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    x, whole = jnp.ones((8, 6, 4)), draws.Rows(8, 8)
+    want = np.asarray(jax.jit(lambda x: _mask(x, whole))(x))
+    assert 0.6 < want.mean() < 0.8
+    assert not np.array_equal(want, np.asarray(jax.jit(lambda x: _mask(x, whole, step=4))(x)))
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2,
+                         devices=jax.devices()[:8])
+    with jax.set_mesh(mesh):
+        split = jax.device_put(x, NamedSharding(mesh, P("data", None, "tensor")))
+        np.testing.assert_array_equal(jax.jit(lambda x: _mask(x, whole))(split), want)
+
+        def block(x):
+            return _mask(x, draws.device_rows(whole, ("data",), x.shape[0]))
+
+        rows_split = jax.device_put(x, NamedSharding(mesh, P("data")))
+        np.testing.assert_array_equal(jax.jit(jax.shard_map(
+            block, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(rows_split), want)
+    for k in range(2):
+        part = jax.jit(lambda x, k=k: _mask(x, whole.part(4, k, 2)))(x[k::2])
+        np.testing.assert_array_equal(part, want[k::2])
+    pairs = np.asarray(jax.jit(lambda y: _mask(y, whole))(jnp.ones((16, 6, 4))))
+    some = jax.jit(lambda y: _mask(y, whole.part(4, 1, 2)))(jnp.ones((8, 6, 4)))
+    chosen_rejected = np.stack([2 * np.arange(1, 8, 2), 2 * np.arange(1, 8, 2) + 1], 1)
+    np.testing.assert_array_equal(some, pairs[chosen_rejected.reshape(-1)])
+
 @pytest.fixture(scope="module")
 def one_device():
     return run_steps(_config(MeshConfig(data=1)), 1)
