@@ -78,14 +78,19 @@ def test_dropout_changes_the_run(one_device):
     assert np.abs(np.asarray(plain[0]) - np.asarray(one_device[0])).max() > 1e-4
 
 
-@pytest.mark.parametrize("mesh,accum,devices", [
-    (MeshConfig(data=1), 2, 1),  # microbatch k: rows k, k + 2, ...
-    (MeshConfig(pipeline=2, data=2, fsdp=2), 1, 8),  # each stage's microbatches
-    (MeshConfig(pipeline=2, data=2), 2, 4),  # both, composed
+@pytest.mark.parametrize("mesh,accum,devices,schedule", [
+    (MeshConfig(data=1), 2, 1, {}),  # microbatch k: rows k, k + 2, ...
+    (MeshConfig(pipeline=2, data=2, fsdp=2), 1, 8, {}),  # each stage's microbatches
+    (MeshConfig(pipeline=2, data=2), 2, 4, {}),  # both, composed
+    # the backward from the forward's kept tape (its masks in it), not recomputed
+    (MeshConfig(pipeline=2, data=2), 1, 4, {"schedule": "1f1b", "remat": "keep"}),
 ])
 def test_dropout_trains_like_one_device_on_any_split_of_the_batch(one_device, mesh, accum,
-                                                                  devices):
-    assert_like_one_device(run_steps(_config(mesh, accum=accum), devices), one_device)
+                                                                  devices, schedule):
+    config = _config(mesh, accum=accum)
+    config = dataclasses.replace(config, pipeline=dataclasses.replace(config.pipeline,
+                                                                      **schedule))
+    assert_like_one_device(run_steps(config, devices), one_device)
 
 
 def test_dpo_pair_rows_draw_like_one_device_on_pipeline_stages(tmp_path):

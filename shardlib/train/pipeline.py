@@ -139,10 +139,11 @@ def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params:
     grads0 = jax.tree.map(jnp.zeros_like, params if trained is None else pick(params, trained))
     zeros_btd = jnp.zeros(act_shape, dtype)
     tapes, layouts = {}, None
-    if schedule.kept:
+    if schedule.kept:  # probed as a tick runs: with its draws (dropout's masks are taped)
         mb0 = {key: x_mbt[0] for key, x_mbt in batch_mbt.items()}
-        tapes, layouts = stage.tape_buffers(pipeline_chunks.chunk(params, jnp.int32(0), v),
-                                            zeros_btd, mb0, schedule.tape_slots)
+        with draws.batch_rows(_microbatch_rows(rows, schedule, 0)):
+            tapes, layouts = stage.tape_buffers(pipeline_chunks.chunk(params, jnp.int32(0), v),
+                                                zeros_btd, mb0, schedule.tape_slots)
     tick = _tick(stage, schedule, params, batch_mbt, dloss, zeros_btd, layouts, rows)
     init = (jnp.zeros((schedule.act_slots + 1, *act_shape), dtype),  # + scratch slot
             jnp.zeros((schedule.grad_slots + 1, *act_shape), dtype), tapes, grads0, parts)
@@ -162,11 +163,7 @@ def _tick(stage: Stage, schedule: Schedule, params: nnx.State, batch_mbt: Microb
     to_prev = [(s, (s - 1) % p) for s in range(0 if ring else 1, p)]
 
     def tick(carry: tuple, table_pc: jax.Array) -> tuple[tuple, None]:
-        m = table_pc[me, 1]
-        if rows is None:
-            return ops(carry, table_pc)
-        per = rows.count // schedule.microbatches  # microbatch m: rows m per, ... here
-        with draws.batch_rows(rows.part(per, m * per)):
+        with draws.batch_rows(_microbatch_rows(rows, schedule, table_pc[me, 1])):
             return ops(carry, table_pc)
 
     def ops(carry: tuple, table_pc: jax.Array) -> tuple[tuple, None]:
@@ -214,6 +211,15 @@ def _tick(stage: Stage, schedule: Schedule, params: nnx.State, batch_mbt: Microb
                 grads, parts), None
 
     return tick
+
+
+def _microbatch_rows(rows: draws.Rows | None, schedule: Schedule, m: jax.Array | int
+                    ) -> draws.Rows | None:
+    """Microbatch ``m``'s rows of this device's ``rows`` (a contiguous slice)."""
+    if rows is None:
+        return None
+    per = rows.count // schedule.microbatches
+    return rows.part(per, m * per)
 
 
 def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
