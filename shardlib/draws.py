@@ -10,9 +10,11 @@ counter-based hash ``jax.random`` itself runs) of (seed, step) as the key and (g
 row, index within the row) as the counter. ``x``'s leading dim holds the loss call's
 rows, or a whole number of copies of each row interleaved (a preference pair's chosen
 and rejected rows side by side, or tokens flattened row-major): row ``i`` is copy ``i %
-c`` of the call's row ``i // c``. Where the rest of a row is split over a manual
-``shard_map`` axis the index within the row is the local one: the pipeline refuses
-dropout there (``train.state``).
+c`` of the call's row ``i // c``; its dim 1, where it has one, is the row's tokens (their
+place in the whole row counts where a ``sequence`` axis splits them inside a
+``shard_map``, ``Rows.position``). Where the rest of a row is split over a manual
+``tensor`` axis the index within the row is the local one: the pipeline refuses dropout
+there (``train.state``).
 
 Outside a step's loss call (no ``batch_rows``) nothing draws: ``active()`` is False. The
 global-view objective sets the whole batch's rows where the step set none
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -38,16 +42,20 @@ from jax.extend.random import threefry2x32_p
 @dataclass(frozen=True)
 class Rows:
     """Row ``j`` (< ``count``) of a loss call's batch is row ``offset + stride * j`` of the
-    step's batch of ``total`` rows."""
+    step's batch of ``total`` rows; ``position`` is where the call's slice of each row
+    starts (inside a ``shard_map`` whose ``sequence`` axis splits the rows' tokens in
+    contiguous blocks; 0 where each row is whole)."""
 
     count: int
     total: int
     offset: jax.Array | int = 0
     stride: int = 1
+    position: jax.Array | int = 0
 
     def part(self, count: int, offset: jax.Array | int = 0, stride: int = 1) -> Rows:
         """The rows of a slice of these: its row ``j`` is row ``offset + stride * j`` here."""
-        return Rows(count, self.total, self.offset + self.stride * offset, self.stride * stride)
+        return Rows(count, self.total, self.offset + self.stride * offset, self.stride * stride,
+                    self.position)
 
 
 _STEP: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
@@ -86,11 +94,17 @@ def rows_or_whole(batch: object) -> Rows:
     return rows() or Rows(jax.tree.leaves(batch)[0].shape[0], jax.tree.leaves(batch)[0].shape[0])
 
 
-def device_rows(outer: Rows, axes: tuple[str, ...], count: int) -> Rows:
+def device_rows(outer: Rows, axes: tuple[str, ...], count: int,
+                sequence: tuple[str, int] | None = None) -> Rows:
     """Inside shard_map: this device's ``count`` rows of ``outer``, whose rows are split
-    in blocks over the manual ``axes`` (in their PartitionSpec's order)."""
+    in blocks over the manual ``axes`` (in their PartitionSpec's order); ``sequence``:
+    (the axis that splits each row's tokens in contiguous blocks, a block's length)."""
     index = jax.lax.axis_index(axes) if axes else 0
-    return outer.part(count, index * count)
+    mine = outer.part(count, index * count)
+    if sequence is None:
+        return mine
+    axis, length = sequence
+    return dataclasses.replace(mine, position=jax.lax.axis_index(axis) * length)
 
 
 def rows() -> Rows | None:
@@ -123,6 +137,9 @@ def counters(x: jax.Array) -> tuple[jax.Array, jax.Array]:
         within = within * jnp.uint32(x.shape[dim]) + _iota(x, dim)
     if n % where.count:  # a leading dim that is not the call's rows: its own index
         return i, within
+    if x.ndim > 1:  # dim 1 is the tokens: their place in the whole row
+        position = jnp.asarray(where.position).astype(jnp.uint32)
+        within = within + position * jnp.uint32(math.prod(x.shape[2:]))
     copies = n // where.count
     offset = jnp.asarray(where.offset).astype(jnp.uint32)
     row = offset + jnp.uint32(where.stride) * (i // jnp.uint32(copies))

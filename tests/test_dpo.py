@@ -380,6 +380,7 @@ def test_pipeline_refuses_what_its_stages_cannot_run():
     setup(MeshConfig(pipeline=2, tensor=2, data=2, sequence_parallel=True), "simpo")
     setup(MeshConfig(pipeline=2, tensor=2, data=2), rank=4)  # adapters on pipeline + tensor
     setup(MeshConfig(pipeline=2, data=4), rank=4, dropout=0.1)  # rows keyed (draws)
+    setup(MeshConfig(pipeline=2, sequence=2, data=2), rank=4, dropout=0.1)  # tokens keyed
     with pytest.raises(ConfigError, match=r"lora.dropout=0.1 with --mesh pipeline=2,tensor=2"):
         setup(MeshConfig(pipeline=2, tensor=2, data=2), rank=4, dropout=0.1)
 

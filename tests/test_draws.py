@@ -84,6 +84,8 @@ def test_dropout_changes_the_run(one_device):
     (MeshConfig(pipeline=2, data=2), 2, 4, {}),  # both, composed
     # the backward from the forward's kept tape (its masks in it), not recomputed
     (MeshConfig(pipeline=2, data=2), 1, 4, {"schedule": "1f1b", "remat": "keep"}),
+    # each device holds half of every row's tokens: keyed by their place in the row
+    (MeshConfig(pipeline=2, sequence=2, data=2), 1, 8, {}),
 ])
 def test_dropout_trains_like_one_device_on_any_split_of_the_batch(one_device, mesh, accum,
                                                                   devices, schedule):
@@ -103,8 +105,8 @@ def test_dpo_pair_rows_draw_like_one_device_on_pipeline_stages(tmp_path):
     one = _dpo_run(MeshConfig(data=1), path, True, dropout=0.3)
     plain = _dpo_run(MeshConfig(data=1), path, True)
     assert abs(one[0][-1]["loss"] - plain[0][-1]["loss"]) > 1e-5  # dropout acts
-    _assert_trains_like_one_device(_dpo_run(MeshConfig(pipeline=2, data=2), path, True,
-                                            dropout=0.3), one)
+    for mesh in (MeshConfig(pipeline=2, data=2), MeshConfig(pipeline=2, sequence=2, data=2)):
+        _assert_trains_like_one_device(_dpo_run(mesh, path, True, dropout=0.3), one)
 
 
 def test_a_checkpoint_with_the_retired_dropout_key_restores(tmp_path):

@@ -304,7 +304,9 @@ def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, 
         trained = None if frozen_shard is None else params_shard
         whole = params_shard if frozen_shard is None else nnx.merge_state(params_shard,
                                                                           frozen_shard)
-        mine = draws.device_rows(outer, row_axes, jax.tree.leaves(batch_shard)[0].shape[0])
+        tokens = (SEQ_AXIS, shape[1]) if sizes.get(SEQ_AXIS, 1) > 1 else None  # contiguous
+        mine = draws.device_rows(outer, row_axes, jax.tree.leaves(batch_shard)[0].shape[0],
+                                 tokens)
         run = lambda p: run_schedule(stage, schedule, table_tpc, p, batch_mbt,  # noqa: E731
                                      dloss, shape, setup.policy.compute, parts0, trained, mine)
         with layer_strategies(config, sizes), contextlib.ExitStack() as stack:

@@ -235,17 +235,16 @@ def check_capabilities(config: Config, sizes: dict[str, int], model: Model) -> N
 def check_pipeline_lora(config: Config, sizes: dict[str, int]) -> None:
     """The stages carry a LoRA model's frozen base, quantized or not, beside its adapters
     (their gradients summed over ``tensor`` where each device holds a part,
-    ``tensor.region_factors``). Dropout draws each row's mask from its place in the step's
-    batch (``shardlib.draws``), which inside a stage is known for whole rows only: not
-    where a row's tokens or features are split over ``sequence`` or ``tensor``."""
-    lc, stages = config.lora, sizes["pipeline"]
-    split = [f"{axis}={sizes[axis]}" for axis in ("sequence", "tensor") if sizes.get(axis, 1) > 1]
-    if lc.dropout and split:
+    ``tensor.region_factors``). Dropout draws each element's mask from its place in the
+    step's batch (``shardlib.draws``), which inside a stage is known for rows and their
+    tokens (``sequence`` splits them in contiguous blocks), not for features split over
+    ``tensor``."""
+    lc, stages, parts = config.lora, sizes["pipeline"], sizes.get("tensor", 1)
+    if lc.dropout and parts > 1:
         raise ConfigError(f"lora.dropout={lc.dropout} with --mesh pipeline={stages},"
-                          f"{','.join(split)}: inside a stage a row split over "
-                          f"{' and '.join(s.split('=')[0] for s in split)} has no global "
-                          "place to key its dropout mask on; set lora.dropout=0, or use "
-                          "pipeline with data / fsdp axes")
+                          f"tensor={parts}: inside a stage an adapter's input split over "
+                          "tensor has no global place to key its dropout mask on; set "
+                          "lora.dropout=0, or use pipeline with data / fsdp / sequence axes")
 
 
 def check_builtin(config: Config, sizes: dict[str, int]) -> None:
