@@ -57,6 +57,15 @@ class Rows:
         return Rows(count, self.total, self.offset + self.stride * offset, self.stride * stride,
                     self.position)
 
+    def block(self, k: jax.Array | int, n: int) -> Rows:
+        """Slice ``k`` of ``n`` contiguous slices (a device's rows, a pipeline microbatch)."""
+        per = self.count // n
+        return self.part(per, k * per)
+
+    def strided(self, k: jax.Array | int, n: int) -> Rows:
+        """Microbatch ``k`` of ``n`` that takes rows k, k + n, ... (``train.grad_accum``)."""
+        return self.part(self.count // n, k, n)
+
 
 _STEP: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
     "shardlib_draw_step", default=None)
@@ -88,17 +97,23 @@ def whole_batch(count: int) -> contextlib.AbstractContextManager[None]:
     return batch_rows(Rows(count, count))
 
 
+def count_of(batch: object) -> int:
+    """The rows of ``batch``, a pytree of arrays whose leading dim is its rows."""
+    return jax.tree.leaves(batch)[0].shape[0]
+
+
 def rows_or_whole(batch: object) -> Rows:
-    """The rows set for this loss call, or the whole of ``batch`` (a pytree of arrays
-    whose leading dim is its rows) where none were."""
-    return rows() or Rows(jax.tree.leaves(batch)[0].shape[0], jax.tree.leaves(batch)[0].shape[0])
+    """The rows set for this loss call, or the whole of ``batch`` where none were."""
+    return rows() or Rows(count_of(batch), count_of(batch))
 
 
-def device_rows(outer: Rows, axes: tuple[str, ...], count: int,
+def device_rows(outer: Rows, axes: tuple[str, ...], shard: object,
                 sequence: tuple[str, int] | None = None) -> Rows:
-    """Inside shard_map: this device's ``count`` rows of ``outer``, whose rows are split
-    in blocks over the manual ``axes`` (in their PartitionSpec's order); ``sequence``:
-    (the axis that splits each row's tokens in contiguous blocks, a block's length)."""
+    """Inside shard_map: the rows of ``outer`` that this device's ``shard`` of the batch
+    holds, its rows split in blocks over the manual ``axes`` (in their PartitionSpec's
+    order); ``sequence``: (the axis that splits each row's tokens in contiguous blocks, a
+    block's length)."""
+    count = count_of(shard)
     index = jax.lax.axis_index(axes) if axes else 0
     mine = outer.part(count, index * count)
     if sequence is None:

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from shardlib.errors import ShardingError
 from shardlib.mesh import MESH_AXES
+from shardlib.sharding import entry_axes
 from shardlib.units import format_bytes
 
 
@@ -91,7 +92,7 @@ def spec_blocks(shape: Sequence[int], spec: PartitionSpec, sizes: Mapping[str, i
     per_dim = []
     entries = list(spec) + [None] * (len(shape) - len(spec))
     for n, entry in zip(shape, entries, strict=True):
-        axes = _axes(entry)
+        axes = entry_axes(entry)
         parts = math.prod(sizes.get(a, 1) for a in axes)
         shard = np.zeros(len(coords[0]), dtype=np.int64)
         for axis in axes:  # the first listed axis is the major one
@@ -99,10 +100,6 @@ def spec_blocks(shape: Sequence[int], spec: PartitionSpec, sizes: Mapping[str, i
         per_dim.append((shard * (n // parts), (shard + 1) * (n // parts)))
     return {p: tuple((int(lo[p]), int(hi[p])) for lo, hi in per_dim)
             for p in range(len(coords[0]))}
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 def _needs(src: Blocks, dst: Blocks) -> dict[Any, int]:
@@ -125,7 +122,7 @@ def _received(src: Blocks, dst: Blocks) -> int:
 
 def classify(src: PartitionSpec, dst: PartitionSpec, ndim: int) -> tuple[str, tuple[str, ...]]:
     """The collective that turns ``src`` into ``dst`` on one mesh, and its axes."""
-    pad = lambda spec: [_axes(e) for e in list(spec) + [None] * (ndim - len(spec))]
+    pad = lambda spec: [entry_axes(e) for e in list(spec) + [None] * (ndim - len(spec))]
     a, b = pad(src), pad(dst)
     if a == b:
         return "none", ()

@@ -165,12 +165,17 @@ def _yielded(logical: Sequence[str | None], rules: Mapping[str, Sequence[str]]
             if dim in logical and to in logical and axis in rules.get(to, ())}
 
 
+def entry_axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The mesh axes one ``PartitionSpec`` entry splits its dim over, in order."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def check_divisible(
     name: str, shape: Sequence[int], spec: PartitionSpec, sizes: Mapping[str, int]
 ) -> None:
     """Raise naming the array, its shape and the axes if a dim does not split evenly."""
     for dim_size, entry in zip(shape, spec, strict=False):
-        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        axes = entry_axes(entry)
         parts = math.prod(sizes[a] for a in axes)
         if dim_size % parts:
             raise ShardingError(
@@ -182,7 +187,7 @@ def check_divisible(
 
 def spec_axes(spec: PartitionSpec) -> set[str]:
     """The mesh axes a spec splits any dim over."""
-    return {a for entry in spec for a in ((entry,) if isinstance(entry, str) else entry or ())}
+    return {a for entry in spec for a in entry_axes(entry)}
 
 
 def bytes_per_device(shape: Sequence[int], dtype: jax.typing.DTypeLike, spec: PartitionSpec,
@@ -190,7 +195,7 @@ def bytes_per_device(shape: Sequence[int], dtype: jax.typing.DTypeLike, spec: Pa
     """Bytes of one device's shard of an array with this spec."""
     shards = 1
     for entry in spec:
-        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        axes = entry_axes(entry)
         shards *= math.prod(sizes[a] for a in axes)
     return math.prod(shape) * jax.numpy.dtype(dtype).itemsize // shards
 

@@ -378,7 +378,7 @@ def qkv_spec(rules: sharding.Rules, sizes: dict[str, int]) -> PartitionSpec:
                                     sizes, name="attention q/k/v")
     entries = list(spec) + [None] * (4 - len(spec))
     for entry in entries:
-        if AXIS in ((entry,) if isinstance(entry, str) else tuple(entry or ())):
+        if AXIS in sharding.entry_axes(entry):
             raise ShardingError(
                 f"attention q/k/v: the {AXIS!r} axis splits a dim other than the sequence "
                 f"({spec}); context parallelism needs it for the sequence only"

@@ -30,7 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from shardlib import hooks
-from shardlib.sharding import Rules, compute_platform, logical_to_spec
+from shardlib.sharding import Rules, compute_platform, entry_axes, logical_to_spec
 
 if TYPE_CHECKING:
     from shardlib.config import ModelConfig
@@ -75,7 +75,7 @@ def restrict_spec(spec: PartitionSpec, keep: Callable[[str], bool]) -> Partition
     """The spec with only the mesh axes for which ``keep(axis)`` holds."""
 
     def entry_of(entry):
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        names = entry_axes(entry)
         kept = tuple(a for a in names if keep(a))
         return kept[0] if len(kept) == 1 else (kept or None)
 
@@ -85,7 +85,7 @@ def restrict_spec(spec: PartitionSpec, keep: Callable[[str], bool]) -> Partition
 def gather_dim(spec: PartitionSpec) -> int | None:
     """The dim of a parameter split over ``fsdp``, if any."""
     for dim, entry in enumerate(spec):
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        names = entry_axes(entry)
         if "fsdp" in names:
             return dim
     return None

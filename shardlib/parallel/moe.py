@@ -39,7 +39,7 @@ from shardlib.models.layers import ACTIVATIONS
 from shardlib.models.moe import expert_hidden, local_ffn
 from shardlib.parallel import tensor
 from shardlib.parallel.moe_manual import manual
-from shardlib.sharding import Rules, active_rules, compute_platform, logical_to_spec
+from shardlib.sharding import Rules, active_rules, compute_platform, entry_axes, logical_to_spec
 
 KEEP_SPLIT = {"expert": {"expert"}, "mlp": {"tensor"}}
 """Inside the map, these logical dims of the expert weights stay split over these axes;
@@ -102,10 +102,6 @@ def expert_ffn(x_becd: jax.Array, w_in_edf: jax.Array, w_out_efd: jax.Array,
                                rules=active[1], activation=activation)
 
 
-def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
 def weight_plan(logical: tuple[str, ...], rules: Rules,
                 sizes: Mapping[str, int]) -> tuple[PartitionSpec, list[tuple[int, tuple]]]:
     """A weight's spec, and the (dim, axes) all-gathers that make its local block whole
@@ -113,15 +109,15 @@ def weight_plan(logical: tuple[str, ...], rules: Rules,
     spec = logical_to_spec(logical, rules, sizes, name=f"expert weight {logical}")
     gathers = []
     for dim, (name, entry) in enumerate(zip(logical, spec, strict=False)):
-        axes, keep = _axes(entry), KEEP_SPLIT.get(name, set())
+        axes, keep = entry_axes(entry), KEEP_SPLIT.get(name, set())
         if not axes or set(axes) <= keep:
             continue
         if set(axes) & keep:
             raise ShardingError(f"rule {name}={'+'.join(axes)}: expert parallelism keeps "
                                 f"{name} split over {sorted(keep)} only; drop the other axes")
         gathers.append((dim, axes))
-    if sizes.get("expert", 1) > 1 and _axes(spec[0]) != ("expert",):
-        raise ShardingError(f"rule expert={'+'.join(_axes(spec[0])) or 'none'}: with mesh "
+    if sizes.get("expert", 1) > 1 and entry_axes(spec[0]) != ("expert",):
+        raise ShardingError(f"rule expert={'+'.join(entry_axes(spec[0])) or 'none'}: with mesh "
                             "expert > 1 the experts must be split over exactly the expert axis")
     return spec, gathers
 
@@ -142,17 +138,17 @@ def token_plan(mesh: Mesh, rules: Rules) -> TokenPlan:
     """The batch axes and both weights' plans, checked: with ``expert`` > 1 the batch must
     be split over ``expert`` too, and never over the axes of the experts' hidden dim."""
     sizes = dict(mesh.shape)
-    batch = _axes(logical_to_spec(("act_batch",), rules, sizes, name="moe tokens")[0])
+    batch = entry_axes(logical_to_spec(("act_batch",), rules, sizes, name="moe tokens")[0])
     if sizes.get("expert", 1) > 1 and "expert" not in batch:
         raise ShardingError(f"rule act_batch={'+'.join(batch) or 'none'}: expert parallelism "
                             "needs the batch split over the expert axis too; add expert")
     in_spec, in_gathers = weight_plan(W_IN_DIMS, rules, sizes)
     out_spec, out_gathers = weight_plan(W_OUT_DIMS, rules, sizes)
-    hidden_axes = _axes(in_spec[2])
+    hidden_axes = entry_axes(in_spec[2])
     if set(batch) & set(hidden_axes):
         raise ShardingError(f"rules act_batch and mlp share mesh axes {hidden_axes}; "
                             "split the batch and the experts' hidden dim over different axes")
-    weight_axes = {a for entry in in_spec for a in _axes(entry)}
+    weight_axes = {a for entry in in_spec for a in entry_axes(entry)}
     return TokenPlan(batch, in_spec, out_spec, in_gathers, out_gathers, hidden_axes,
                      tuple(a for a in batch if a not in weight_axes))
 

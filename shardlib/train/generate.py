@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardlib.errors import ConfigError
-from shardlib.sharding import activation_rules
+from shardlib.sharding import activation_rules, entry_axes
 from shardlib.train.state import TrainSetup
 
 
@@ -158,5 +158,5 @@ def _shards(setup: TrainSetup, dim: int) -> int:
     """How many pieces the batch sharding cuts ``dim`` into."""
     spec = setup.batch_sharding.spec
     entry = spec[dim] if len(spec) > dim else None
-    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    axes = entry_axes(entry)
     return math.prod(setup.sizes[axis] for axis in axes)

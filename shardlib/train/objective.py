@@ -91,7 +91,7 @@ def loss_and_metrics(setup: TrainSetup, params: nnx.State,
     outer = draws.rows_or_whole(batch)
 
     def local_loss(params_shard: nnx.State, batch_shard: Batch) -> tuple[jax.Array, Metrics]:
-        rows = draws.device_rows(outer, manual, jax.tree.leaves(batch_shard)[0].shape[0])
+        rows = draws.device_rows(outer, manual, batch_shard)
         with draws.batch_rows(rows):  # this device's block of the batch's rows
             return model_loss(setup, local_rules, params_shard, batch_shard)
 

@@ -70,7 +70,7 @@ from jax.sharding import PartitionSpec
 from shardlib import draws, hooks, precision
 from shardlib.contract import pick
 from shardlib.parallel import fsdp, tensor
-from shardlib.sharding import spec_axes
+from shardlib.sharding import entry_axes, spec_axes
 from shardlib.train import pipeline_chunks
 from shardlib.train import pipeline_schedule as ticks
 from shardlib.train.pipeline_check import (
@@ -141,7 +141,7 @@ def run_schedule(stage: Stage, schedule: Schedule, table_tpc: jax.Array, params:
     tapes, layouts = {}, None
     if schedule.kept:  # probed as a tick runs: with its draws (dropout's masks are taped)
         mb0 = {key: x_mbt[0] for key, x_mbt in batch_mbt.items()}
-        with draws.batch_rows(_microbatch_rows(rows, schedule, 0)):
+        with _drawing(rows, schedule, 0):
             tapes, layouts = stage.tape_buffers(pipeline_chunks.chunk(params, jnp.int32(0), v),
                                                 zeros_btd, mb0, schedule.tape_slots)
     tick = _tick(stage, schedule, params, batch_mbt, dloss, zeros_btd, layouts, rows)
@@ -163,7 +163,7 @@ def _tick(stage: Stage, schedule: Schedule, params: nnx.State, batch_mbt: Microb
     to_prev = [(s, (s - 1) % p) for s in range(0 if ring else 1, p)]
 
     def tick(carry: tuple, table_pc: jax.Array) -> tuple[tuple, None]:
-        with draws.batch_rows(_microbatch_rows(rows, schedule, table_pc[me, 1])):
+        with _drawing(rows, schedule, table_pc[me, 1]):
             return ops(carry, table_pc)
 
     def ops(carry: tuple, table_pc: jax.Array) -> tuple[tuple, None]:
@@ -213,18 +213,10 @@ def _tick(stage: Stage, schedule: Schedule, params: nnx.State, batch_mbt: Microb
     return tick
 
 
-def _microbatch_rows(rows: draws.Rows | None, schedule: Schedule, m: jax.Array | int
-                    ) -> draws.Rows | None:
-    """Microbatch ``m``'s rows of this device's ``rows`` (a contiguous slice)."""
-    if rows is None:
-        return None
-    per = rows.count // schedule.microbatches
-    return rows.part(per, m * per)
-
-
-def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    """The mesh axes of one PartitionSpec entry."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+def _drawing(rows: draws.Rows | None, schedule: Schedule, m: jax.Array | int
+             ) -> contextlib.AbstractContextManager[None]:
+    """Draws keyed by microbatch ``m``'s rows of this device's ``rows`` (None: none)."""
+    return draws.batch_rows(None if rows is None else rows.block(m, schedule.microbatches))
 
 
 def reduce_grads(grads: nnx.State, specs: nnx.State, sizes: Mapping[str, int], *,
@@ -285,7 +277,7 @@ def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, 
     specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
     count = schedule.microbatches
     shards = batch_shards(sizes) * sizes.get(SEQ_AXIS, 1)  # the loss is a mean over these
-    outer, row_axes = draws.rows_or_whole(batch), _axes(setup.batch_sharding.spec[0])
+    outer, row_axes = draws.rows_or_whole(batch), entry_axes(setup.batch_sharding.spec[0])
     gather = fsdp.weight_gatherer(setup.rules, sizes,
                                   lambda x: precision.cast_params(x, policy=setup.policy))
     parts0 = zero_parts(setup)
@@ -305,8 +297,7 @@ def loss_parts_and_grads(setup: TrainSetup, params: nnx.State, batch: dict[str, 
         whole = params_shard if frozen_shard is None else nnx.merge_state(params_shard,
                                                                           frozen_shard)
         tokens = (SEQ_AXIS, shape[1]) if sizes.get(SEQ_AXIS, 1) > 1 else None  # contiguous
-        mine = draws.device_rows(outer, row_axes, jax.tree.leaves(batch_shard)[0].shape[0],
-                                 tokens)
+        mine = draws.device_rows(outer, row_axes, batch_shard, tokens)
         run = lambda p: run_schedule(stage, schedule, table_tpc, p, batch_mbt,  # noqa: E731
                                      dloss, shape, setup.policy.compute, parts0, trained, mine)
         with layer_strategies(config, sizes), contextlib.ExitStack() as stack:

@@ -76,7 +76,7 @@ def loss_grads_and_state(setup: TrainSetup, params: nnx.State, batch: Batch,
         def accumulate(carry, k_microbatch):
             loss_sum, metric_sums, grad_sums, ms = carry
             k, microbatch = k_microbatch
-            with draws.batch_rows(rows.part(rows.count // count, k, count)):
+            with draws.batch_rows(rows.strided(k, count)):
                 (loss, (metrics, ms)), grads = grad_fn(params, microbatch, ms)
             loss_sum, metric_sums = jax.tree.map(jnp.add, (loss_sum, metric_sums),
                                                  (loss, metrics))
@@ -111,7 +111,7 @@ def pipeline_loss_and_grads(setup: TrainSetup, params: nnx.State, batch: Batch,
 
     def accumulate(carry: tuple, k_chunk: tuple) -> tuple[tuple, None]:
         k, chunk = k_chunk
-        with draws.batch_rows(rows.part(rows.count // count, k, count)):
+        with draws.batch_rows(rows.strided(k, count)):
             parts, grads = pipeline.loss_parts_and_grads(setup, params, chunk, scale,
                                                          frozen=frozen)
         return jax.tree.map(jnp.add, carry, (parts, pin(grads))), None
