@@ -12,9 +12,9 @@ rows, or a whole number of copies of each row interleaved (a preference pair's c
 and rejected rows side by side, or tokens flattened row-major): row ``i`` is copy ``i %
 c`` of the call's row ``i // c``; its dim 1, where it has one, is the row's tokens (their
 place in the whole row counts where a ``sequence`` axis splits them inside a
-``shard_map``, ``Rows.position``). Where the rest of a row is split over a manual
-``tensor`` axis the index within the row is the local one: the pipeline refuses dropout
-there (``train.state``).
+``shard_map``, ``Rows.position``); a feature dim split in blocks over a manual axis (the
+pipeline stages' Megatron ``tensor``) is counted by its place in the whole dim, given as
+``split`` (the caller asks ``hooks.manual_split``).
 
 Outside a step's loss call (no ``batch_rows``) nothing draws: ``active()`` is False. The
 global-view objective sets the whole batch's rows where the step set none
@@ -30,8 +30,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -142,33 +141,43 @@ def _iota(x: jax.Array, dim: int) -> jax.Array:
     return jax.lax.broadcasted_iota(jnp.uint32, x.shape, dim, out_sharding=jax.typeof(x).sharding)
 
 
-def counters(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(global row, index within the row) of each element of ``x``, as uint32."""
+Split = tuple[jax.Array | int, int]  # (this device's block, the number of blocks) of a dim
+
+
+def _u32(x: jax.Array | int) -> jax.Array:
+    return jnp.asarray(x).astype(jnp.uint32)
+
+
+def counters(x: jax.Array, split: Sequence[Split] | None = None
+             ) -> tuple[jax.Array, jax.Array]:
+    """(global row, index within the row) of each element of ``x``, as uint32; ``split``,
+    one per dim of ``x``: where a dim is this device's block of a whole one (the index
+    within the row counts the element's place in the whole dim)."""
     n = x.shape[0]
     where = rows() or Rows(n, n)
     i = _iota(x, 0)
+    ours = n % where.count == 0  # else a leading dim that is not the call's rows: its own index
     within = jnp.zeros_like(i)
     for dim in range(1, x.ndim):
-        within = within * jnp.uint32(x.shape[dim]) + _iota(x, dim)
-    if n % where.count:  # a leading dim that is not the call's rows: its own index
+        block, blocks = (0, 1) if split is None else split[dim]
+        start = _u32(block) * jnp.uint32(x.shape[dim])
+        if dim == 1 and ours:  # dim 1 is the tokens: their place in the whole row
+            start = start + _u32(where.position)
+        within = within * jnp.uint32(x.shape[dim] * blocks) + start + _iota(x, dim)
+    if not ours:
         return i, within
-    if x.ndim > 1:  # dim 1 is the tokens: their place in the whole row
-        position = jnp.asarray(where.position).astype(jnp.uint32)
-        within = within + position * jnp.uint32(math.prod(x.shape[2:]))
     copies = n // where.count
-    offset = jnp.asarray(where.offset).astype(jnp.uint32)
-    row = offset + jnp.uint32(where.stride) * (i // jnp.uint32(copies))
+    row = _u32(where.offset) + jnp.uint32(where.stride) * (i // jnp.uint32(copies))
     return row * jnp.uint32(copies) + i % jnp.uint32(copies), within
 
 
-def bits(seed: jax.Array, x: jax.Array) -> jax.Array:
+def bits(seed: jax.Array, x: jax.Array, split: Sequence[Split] | None = None) -> jax.Array:
     """uint32 bits, one per element of ``x`` (its shape and sharding), keyed by ``seed``
     (a uint32 scalar: the drawing layer's own) and the step, counted by the element's
-    global row and its index within the row."""
+    global row and its index within the row (``counters``; ``split``: its dims' blocks)."""
     now = step()
-    key = (jnp.asarray(seed, jnp.uint32),
-           jnp.zeros((), jnp.uint32) if now is None else jnp.asarray(now).astype(jnp.uint32))
-    row, within = counters(x)
+    key = (jnp.asarray(seed, jnp.uint32), jnp.zeros((), jnp.uint32) if now is None else _u32(now))
+    row, within = counters(x, split)
     hi, lo = threefry2x32_p.bind(*_varying(*key, row, within))
     return hi ^ lo
 
@@ -190,7 +199,9 @@ def _varying_axes(x: jax.Array) -> frozenset[str]:
     return frozenset(getattr(manual, "varying", ()))
 
 
-def keep_mask(seed: jax.Array, keep: float, x: jax.Array) -> jax.Array:
-    """A bool mask like ``x``, each element True with probability ``keep``."""
+def keep_mask(seed: jax.Array, keep: float, x: jax.Array,
+              split: Sequence[Split] | None = None) -> jax.Array:
+    """A bool mask like ``x``, each element True with probability ``keep`` (``split``: as
+    in ``counters``)."""
     threshold = jnp.uint32(min(int(keep * 2.0 ** 32), 2 ** 32 - 1))
-    return bits(seed, x) < threshold
+    return bits(seed, x, split) < threshold

@@ -13,7 +13,8 @@ remat policy (``weights_policy``) can drop it after forward and gather it again 
 backward (``reshard_after_forward``, torchtitan's name), or keep it.
 
 Layer hooks (``enter_region``, ``exit_region``, ``sequence_rows``, ``vocab_lookup``,
-``attention``, ``expert_ffn``, ``dropless_ffn``, ``row_mean``, ``cross_entropy``): the
+``attention``, ``expert_ffn``, ``dropless_ffn``, ``row_mean``, ``cross_entropy``,
+``manual_split``): the
 places where Megatron TP/SP, context parallelism and expert parallelism act inside a
 layer. Each is the plain computation until ``shardlib.parallel`` installs its strategy
 (``install_layer_hooks``, once, on import); the installed function is itself the plain
@@ -206,6 +207,15 @@ def cross_entropy(logits_btv: jax.Array, targets_bt: jax.Array, *,
     return local(logits_btv, targets_bt) if fn is None else fn(logits_btv, targets_bt, local)
 
 
+def manual_split(dims: tuple[str | None, ...]) -> tuple[tuple[jax.Array | int, int], ...]:
+    """Per logical dim of a local activation (None: no parameter dim), (this device's
+    block, the number of blocks) where a strategy inside ``shard_map`` holds that dim split
+    (plain: (0, 1), each dim whole): what a draw keyed by an element's place in the whole
+    activation (``shardlib.draws``) needs to count it."""
+    fn = _LAYER.get("manual_split")
+    return tuple((0, 1) for _ in dims) if fn is None else fn(dims)
+
+
 def row_mean(x_b: jax.Array) -> jax.Array:
     """A mean over each row's tokens on hand (leading dim: rows) -> the mean over the
     whole row (plain: itself; a strategy that gives a device a slice of every row, as
@@ -216,4 +226,4 @@ def row_mean(x_b: jax.Array) -> jax.Array:
 
 LAYER_HOOKS = frozenset({"enter_region", "exit_region", "sequence_rows", "vocab_lookup",
                          "attention", "expert_ffn", "dropless_ffn", "row_mean",
-                         "cross_entropy"})
+                         "cross_entropy", "manual_split"})

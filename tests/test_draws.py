@@ -18,7 +18,14 @@ import shardlib
 from shardlib import draws
 from shardlib.config import LoRAConfig, MeshConfig
 from shardlib.train import objective
-from tests.helpers import TOL, assert_like_one_device, assert_tensors_close, run_steps, tiny_config
+from tests.helpers import (
+    TOL,
+    assert_like_one_device,
+    assert_tensors_close,
+    relative_error,
+    run_steps,
+    tiny_config,
+)
 from tests.user_models import CLASSES, IMAGE, IMAGES, classify
 
 
@@ -58,6 +65,17 @@ def test_a_rows_mask_is_the_same_however_the_batch_is_split():
         rows_split = jax.device_put(x, NamedSharding(mesh, P("data")))
         np.testing.assert_array_equal(jax.jit(jax.shard_map(
             block, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(rows_split), want)
+
+        def block_of_features(x):  # dim 2 in blocks over tensor, each counted by its place
+            split = ((0, 1), (0, 1), (jax.lax.axis_index("tensor"), 4))
+            with draws.batch_rows(draws.device_rows(whole, ("data",), x)), \
+                    draws.at_step(jnp.int32(3)):
+                return draws.keep_mask(jnp.uint32(7), 0.7, x, split)
+
+        both = jax.device_put(x, NamedSharding(mesh, P("data", None, "tensor")))
+        np.testing.assert_array_equal(jax.jit(jax.shard_map(
+            block_of_features, mesh=mesh, in_specs=P("data", None, "tensor"),
+            out_specs=P("data", None, "tensor")))(both), want)
     for k in range(2):
         part = jax.jit(lambda x, k=k: _mask(x, whole.part(4, k, 2)))(x[k::2])
         np.testing.assert_array_equal(part, want[k::2])
@@ -86,6 +104,10 @@ def test_dropout_changes_the_run(one_device):
     (MeshConfig(pipeline=2, data=2), 1, 4, {"schedule": "1f1b", "remat": "keep"}),
     # each device holds half of every row's tokens: keyed by their place in the row
     (MeshConfig(pipeline=2, sequence=2, data=2), 1, 8, {}),
+    # Megatron inside the stages: o / down's inputs hold a block of heads / mlp, keyed by
+    # their place in the whole dim (``hooks.manual_split``); with SP, and with sequence
+    (MeshConfig(pipeline=2, tensor=2, data=2, sequence_parallel=True), 1, 8, {}),
+    (MeshConfig(pipeline=2, sequence=2, tensor=2), 1, 8, {}),
 ])
 def test_dropout_trains_like_one_device_on_any_split_of_the_batch(one_device, mesh, accum,
                                                                   devices, schedule):
@@ -97,7 +119,9 @@ def test_dropout_trains_like_one_device_on_any_split_of_the_batch(one_device, me
 
 def test_dpo_pair_rows_draw_like_one_device_on_pipeline_stages(tmp_path):
     """A stage's microbatch holds its pairs' chosen and rejected rows interleaved (2b,
-    2b + 1): each is keyed as the copy of its pair's row, as in the one-device forward."""
+    2b + 1): each is keyed as the copy of its pair's row, as in the one-device forward.
+    Each tensor is held to 1e-5 or twice the spread one device's own order of summing
+    moves it by (``test_dpo.order_spread``: a pair's sides cancel to rounding noise)."""
     from tests.test_dpo import _assert_trains_like_one_device, _dpo_run, _write_pairs
 
     path = tmp_path / "pairs.jsonl"
@@ -105,8 +129,12 @@ def test_dpo_pair_rows_draw_like_one_device_on_pipeline_stages(tmp_path):
     one = _dpo_run(MeshConfig(data=1), path, True, dropout=0.3)
     plain = _dpo_run(MeshConfig(data=1), path, True)
     assert abs(one[0][-1]["loss"] - plain[0][-1]["loss"]) > 1e-5  # dropout acts
-    for mesh in (MeshConfig(pipeline=2, data=2), MeshConfig(pipeline=2, sequence=2, data=2)):
-        _assert_trains_like_one_device(_dpo_run(mesh, path, True, dropout=0.3), one)
+    by_pair = _dpo_run(MeshConfig(data=1), path, True, grad_accum=8, dropout=0.3)[1]
+    spread = {key: relative_error(by_pair[key], want) for key, want in one[1].items()}
+    for mesh in (MeshConfig(pipeline=2, data=2), MeshConfig(pipeline=2, sequence=2, data=2),
+                 MeshConfig(pipeline=2, tensor=2, data=2)):
+        _assert_trains_like_one_device(_dpo_run(mesh, path, True, dropout=0.3), one,
+                                       spread=spread)
 
 
 def test_a_checkpoint_with_the_retired_dropout_key_restores(tmp_path):

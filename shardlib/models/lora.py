@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from shardlib import draws
+from shardlib import draws, hooks
 from shardlib.annotations import declared_dims
 from shardlib.config import LoRAConfig
 from shardlib.contract import Model
@@ -56,6 +56,11 @@ class DropoutSalt(nnx.Variable):
     (with the step, ``draws.bits``), so every adapter and layer draws its own."""
 
 
+def _stacked(dims: tuple[str | None, ...]) -> int:
+    """How many of a weight's leading logical ``dims`` are stacking dims (``STACK_DIMS``)."""
+    return next((i for i, d in enumerate(dims) if d not in STACK_DIMS), len(dims))
+
+
 def scale(cfg: LoRAConfig) -> float:
     """The adapter's scale: alpha / r, or alpha / sqrt(r) with rsLoRA."""
     return cfg.alpha / (cfg.rank ** 0.5 if cfg.rslora else cfg.rank)
@@ -70,7 +75,7 @@ class _Dims:
         x_dims, w_dims = operands.split(",")
         w_in, w_out = w_dims[:ins], w_dims[ins:]
         rest = "".join(c for c in x_dims if c not in w_in)
-        self.ins = ins
+        self.ins, self.x_dims, self.w_in = ins, x_dims, w_in
         self.down = f"{x_dims},{w_in}z->{rest}z"
         self.up = f"{rest}z,z{w_out}->{out}"
 
@@ -83,7 +88,7 @@ class Adapted(OwnProjection):
                  dtype: Any = None, dropout: float = 0.0, cfg: LoRAConfig | None = None):
         shape = tuple(base.shape)
         dims = declared_dims(base) or (None,) * len(shape)
-        lead = next((i for i, d in enumerate(dims) if d not in STACK_DIMS), len(shape))
+        lead = _stacked(dims)
         ins = len(shape) - lead - 1 if dims[-1] == "embed" and len(shape) - lead > 2 else 1
         cut = lead + ins
         if cfg is not None and cfg.base_quant != "none":  # QLoRA: no full-precision copy
@@ -182,7 +187,7 @@ class Adapted(OwnProjection):
             return None
         dims = _Dims(spec, self.ins)
         a, _ = self.gathered_adapter()
-        return self.up(dims, jnp.einsum(dims.down, self.dropped(x), a.astype(x.dtype)))
+        return self.up(dims, jnp.einsum(dims.down, self.dropped(x, dims), a.astype(x.dtype)))
 
     def up(self, dims: _Dims, h: jax.Array) -> jax.Array:
         """s h B from the low-rank activation h = drop(x) A, in the output's dtype."""
@@ -208,12 +213,23 @@ class Adapted(OwnProjection):
         """``einsum(spec, x, W + s A B)``; in training x W + s drop(x) A B (peft)."""
         return plus_low_rank([linear(spec, x, self.frozen())], spec, x, [self])[0]
 
-    def dropped(self, x: jax.Array) -> jax.Array:
-        """``x`` with peft's dropout when it is on (``drops``), else as it is."""
+    def dropped(self, x: jax.Array, dims: _Dims) -> jax.Array:
+        """``x`` with peft's dropout when it is on (``drops``), else as it is. Each mask
+        element is keyed by its place in the whole activation: W's in dims that a strategy
+        holds split (the pipeline stages' ``tensor``) count their block
+        (``hooks.manual_split``)."""
         if not self.drops:
             return x
-        keep = draws.keep_mask(self.salt[...], 1.0 - self.dropout, x)
+        w_in = self._in_dims()
+        names = tuple(w_in[dims.w_in.index(c)] if c in dims.w_in else None
+                      for c in dims.x_dims)
+        keep = draws.keep_mask(self.salt[...], 1.0 - self.dropout, x, hooks.manual_split(names))
         return jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros_like(x))
+
+    def _in_dims(self) -> tuple[str | None, ...]:
+        """The logical names of W's in dims (after its stacking dims)."""
+        lead = _stacked(self.logical)
+        return tuple(self.logical[lead:lead + self.ins])
 
 
 # --- finding and wrapping the targets ------------------------------------------------------

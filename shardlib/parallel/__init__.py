@@ -10,4 +10,4 @@ hooks.install_layer_hooks(
     sequence_rows=tensor.sequence_rows, vocab_lookup=tensor.vocab_lookup,
     attention=context.attend, expert_ffn=moe.expert_ffn,
     dropless_ffn=moe.dropless_ffn, row_mean=moe_manual.row_mean,
-    cross_entropy=tensor.cross_entropy)
+    cross_entropy=tensor.cross_entropy, manual_split=tensor.manual_split)

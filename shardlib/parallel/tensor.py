@@ -169,6 +169,15 @@ def _local_ids(ids_bt: jax.Array, local_vocab: int) -> tuple[jax.Array, jax.Arra
     return jnp.clip(local_bt, 0, local_vocab - 1), hit_bt
 
 
+def manual_split(dims: tuple[str | None, ...]) -> tuple[tuple[jax.Array | int, int], ...]:
+    """``hooks.manual_split``: under TP/SP the dims of ``SPLIT_DIMS`` are this device's
+    block of ``tensor`` (the preset rules ``applies`` holds); the rest are whole."""
+    if mode() is None:
+        return tuple((0, 1) for _ in dims)
+    mine = (jax.lax.axis_index(AXIS), jax.lax.axis_size(AXIS))
+    return tuple(mine if dim in SPLIT_DIMS else (0, 1) for dim in dims)
+
+
 # --- gradients each device holds in part -----------------------------------------------
 
 def region_factors(specs: nnx.State) -> nnx.State:

@@ -225,26 +225,9 @@ def check_capabilities(config: Config, sizes: dict[str, int], model: Model) -> N
               f"attention.context_parallel={config.attention.context_parallel}"),
              (config.mesh.sequence_parallel, "megatron", "mesh.sequence_parallel=true"),
              (bool(config.train.init_from), "hf", f"--init-from {config.train.init_from}")]
-    if config.lora.rank and sizes.get("pipeline", 1) > 1:
-        check_pipeline_lora(config, sizes)
     for needed, capability, option in needs:
         if needed:
             model.require(capability, option)
-
-
-def check_pipeline_lora(config: Config, sizes: dict[str, int]) -> None:
-    """The stages carry a LoRA model's frozen base, quantized or not, beside its adapters
-    (their gradients summed over ``tensor`` where each device holds a part,
-    ``tensor.region_factors``). Dropout draws each element's mask from its place in the
-    step's batch (``shardlib.draws``), which inside a stage is known for rows and their
-    tokens (``sequence`` splits them in contiguous blocks), not for features split over
-    ``tensor``."""
-    lc, stages, parts = config.lora, sizes["pipeline"], sizes.get("tensor", 1)
-    if lc.dropout and parts > 1:
-        raise ConfigError(f"lora.dropout={lc.dropout} with --mesh pipeline={stages},"
-                          f"tensor={parts}: inside a stage an adapter's input split over "
-                          "tensor has no global place to key its dropout mask on; set "
-                          "lora.dropout=0, or use pipeline with data / fsdp / sequence axes")
 
 
 def check_builtin(config: Config, sizes: dict[str, int]) -> None:
