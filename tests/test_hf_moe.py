@@ -157,3 +157,94 @@ def test_finetune_on_expert_mesh_then_export_hf(saved, tmp_path):
                     checkpoint=CheckpointConfig(dir=str(tmp_path / "c"), every=0))
     result = train(config)
     assert_finetune_exports(result, tiny_hf("qwen2_moe"), tmp_path / "c", tmp_path / "hf")
+
+
+def _random_adapters(model, cfg) -> None:
+    """Adapters on ``model`` with B random (a fresh adapter's B is zero: no effect)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from shardlib.models import lora
+
+    lora.add_adapters(model, cfg, nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    for _, node in lora.adapters(model):
+        node.lora_b.set_value(jnp.asarray(rng.normal(size=node.lora_b.shape) * 0.05,
+                                          jnp.float32))
+    model.eval()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lora_on_routers_and_experts_loads_in_peft_and_back(saved, kind, tmp_path):
+    """Adapters on attention, routers and experts (Qwen2-MoE's shared expert gate too)
+    written as PEFT's ``target_parameters`` (gate and up side by side: ``gate_up_proj`` of
+    rank 2r): peft's logits equal ours, and read back they are ours; an adapter peft made
+    (``gate_up_proj`` of rank r, one A for both halves) reads in with peft's logits."""
+    peft = pytest.importorskip("peft")
+    from shardlib.config import LoRAConfig
+    from shardlib.interop import peft as peft_io
+    from tests.helpers import torch_logits
+
+    path, _ = saved[kind]
+    cfg = LoRAConfig(rank=2, alpha=4.0, rslora=kind == "qwen3_moe")
+    ours = hf.from_pretrained(path)
+    _random_adapters(ours, cfg)
+    logits = np.asarray(ours(TOKENS))
+    peft_io.save_adapter(ours, tmp_path / "adapter", cfg, base_model=str(path))
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert written["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj",
+                                            "mlp.gate.weight"]
+    loaded = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(path), tmp_path / "adapter").eval()
+    theirs = torch_logits(loaded, TOKENS)
+    np.testing.assert_allclose(theirs, logits, rtol=0, atol=TOL)
+    with loaded.disable_adapter():
+        assert np.abs(torch_logits(loaded, TOKENS) - theirs).max() > 100 * TOL
+    back = peft_io.from_pretrained(path, tmp_path / "adapter")
+    back.eval()
+    np.testing.assert_allclose(np.asarray(back(TOKENS)), logits, rtol=0, atol=1e-6)
+
+    torch.manual_seed(1)
+    made = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(path),
+                               peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
+                                               target_parameters=["mlp.experts.gate_up_proj",
+                                                                  "mlp.experts.down_proj"],
+                                               init_lora_weights=False)).eval()
+    made.save_pretrained(tmp_path / "made")
+    ours = peft_io.from_pretrained(path, tmp_path / "made")
+    ours.eval()
+    np.testing.assert_allclose(np.asarray(ours(TOKENS)), torch_logits(made, TOKENS),
+                               rtol=0, atol=TOL)
+
+
+def test_export_peft_writes_a_lora_runs_expert_adapters(saved, tmp_path):
+    """`shardlib export --format peft` of a LoRA run on a Mixtral's attention, router and
+    experts (data=2,expert=4): peft loads the directory onto the base with the trained
+    model's logits."""
+    peft = pytest.importorskip("peft")
+    import jax
+    from flax import nnx
+
+    from shardlib.config import LoRAConfig
+    from tests.helpers import torch_logits
+
+    path, _ = saved["mixtral"]
+    config = Config(mesh=MeshConfig(data=2, expert=4), model=hf.load_config(path),
+                    lora=LoRAConfig(rank=2, alpha=4.0),
+                    train=TrainConfig(batch_size=8, seq_len=32, data="synthetic", steps=2,
+                                      eval_every=0, sample_tokens=0, init_from=str(path)),
+                    checkpoint=CheckpointConfig(dir=str(tmp_path / "c"), every=0))
+    config = dataclasses.replace(config, optim=dataclasses.replace(config.optim, lr=1e-2,
+                                                                   warmup_steps=0))
+    result = train(config)
+    module = nnx.merge(result.setup.graphdef, result.state.params, result.state.model_state)
+    module.eval()
+    ours = np.asarray(jax.jit(lambda m, x: m(x))(module, TOKENS))
+    assert main(["export", "--format", "peft", "--checkpoint-dir", str(tmp_path / "c"),
+                 "--out", str(tmp_path / "adapter")]) == 0
+    loaded = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(path), tmp_path / "adapter").eval()
+    theirs = torch_logits(loaded, TOKENS)
+    np.testing.assert_allclose(theirs, ours, rtol=0, atol=TOL)
+    with loaded.disable_adapter():
+        assert np.abs(torch_logits(loaded, TOKENS) - theirs).max() > 100 * TOL

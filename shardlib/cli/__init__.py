@@ -177,11 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "safetensors file")
     export.add_argument("--checkpoint-dir", required=True, help="a `train --checkpoint-dir`")
     export.add_argument("--out", required=True, help="the .safetensors file to write (with "
-                        "--format hf: the directory)")
+                        "--format hf or peft: the directory)")
     export.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
-    export.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+    export.add_argument("--format", choices=("safetensors", "hf", "peft"),
+                        default="safetensors",
                         help="safetensors: shardlib's names (default); hf: a Hugging Face "
-                        "GPT-2/Llama save_pretrained directory that transformers loads")
+                        "GPT-2/Llama save_pretrained directory that transformers loads "
+                        "(LoRA adapters merged); peft: a LoRA run's adapters alone, a "
+                        "directory that peft.PeftModel.from_pretrained loads")
     add_generate_parser(sub)
     return parser
 
@@ -290,9 +293,16 @@ def run_launch(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    """``shardlib export``: a checkpoint's parameters as safetensors or an HF directory."""
+    """``shardlib export``: a checkpoint's parameters as safetensors or an HF directory, or
+    a LoRA run's adapters as a PEFT directory."""
     from shardlib.export import export_safetensors
 
+    if args.format == "peft":
+        from shardlib.interop.peft import export_adapter
+
+        step, path = export_adapter(args.checkpoint_dir, args.out, step=args.step)
+        print(f"exported step {step}'s LoRA adapters for peft -> {path}", flush=True)
+        return 0
     if args.format == "hf":
         from shardlib.interop.hf import export_pretrained
 

@@ -431,9 +431,7 @@ def export_pretrained(directory: str | os.PathLike, out: str | os.PathLike,
     checkpointer = Checkpointer(directory, read_only=True)
     try:
         step = good_step(checkpointer, step)
-        saved = checkpointer.saved_config(step).get("model", {})
-        known = {f.name for f in dataclasses.fields(ModelConfig)}
-        cfg = ModelConfig(**{k: v for k, v in saved.items() if k in known})
+        cfg = saved_model(checkpointer.saved_config(step))
         keys = {path.split(".", 1)[1]: key
                 for path, (key, _) in checkpointer.saved_arrays(step).items()
                 if path.startswith(("params.", "model_state."))}  # LoRA: the base is state
@@ -448,6 +446,12 @@ def export_pretrained(directory: str | os.PathLike, out: str | os.PathLike,
         return step, write_pretrained(cfg, get, names, out, dtype=dtype)
     finally:
         checkpointer.close()
+
+
+def saved_model(saved: dict[str, Any]) -> ModelConfig:
+    """The model section of a checkpoint's saved config (fields this version knows)."""
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in saved.get("model", {}).items() if k in known})
 
 
 def saved_lora(saved: dict[str, Any]) -> LoRAConfig:
