@@ -36,6 +36,7 @@ PARAMETERS: dict[str, dict[str, object]] = {
                      "VOCAB": 512},
     "09_compile_for_tpu": {"MODEL": "tiny", "SEQ_LEN": 64, "BATCH_SIZE": 8},
     "10_own_model": {"STEPS": 6, "DEPTH": 2},
+    "11_post_training": {"STEPS": 4, "RANK": 4},
 }
 CELL_TIMEOUT_S = 600
 
