@@ -174,6 +174,20 @@ def _random_adapters(model, cfg) -> None:
     model.eval()
 
 
+def _assert_peft_gives(logits: np.ndarray, base: Path, adapter: Path) -> None:
+    """peft's model of ``base`` with ``adapter`` on it gives ``logits``, and the adapter
+    matters (without it they differ)."""
+    from tests.helpers import torch_logits
+
+    peft = pytest.importorskip("peft")
+    loaded = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(base), adapter).eval()
+    theirs = torch_logits(loaded, TOKENS)
+    np.testing.assert_allclose(theirs, logits, rtol=0, atol=TOL)
+    with loaded.disable_adapter():
+        assert np.abs(torch_logits(loaded, TOKENS) - theirs).max() > 100 * TOL
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_lora_on_routers_and_experts_loads_in_peft_and_back(saved, kind, tmp_path):
     """Adapters on attention, routers and experts (Qwen2-MoE's shared expert gate too)
@@ -194,12 +208,7 @@ def test_lora_on_routers_and_experts_loads_in_peft_and_back(saved, kind, tmp_pat
     written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert written["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj",
                                             "mlp.gate.weight"]
-    loaded = peft.PeftModel.from_pretrained(
-        transformers.AutoModelForCausalLM.from_pretrained(path), tmp_path / "adapter").eval()
-    theirs = torch_logits(loaded, TOKENS)
-    np.testing.assert_allclose(theirs, logits, rtol=0, atol=TOL)
-    with loaded.disable_adapter():
-        assert np.abs(torch_logits(loaded, TOKENS) - theirs).max() > 100 * TOL
+    _assert_peft_gives(logits, path, tmp_path / "adapter")
     back = peft_io.from_pretrained(path, tmp_path / "adapter")
     back.eval()
     np.testing.assert_allclose(np.asarray(back(TOKENS)), logits, rtol=0, atol=1e-6)
@@ -221,12 +230,11 @@ def test_export_peft_writes_a_lora_runs_expert_adapters(saved, tmp_path):
     """`shardlib export --format peft` of a LoRA run on a Mixtral's attention, router and
     experts (data=2,expert=4): peft loads the directory onto the base with the trained
     model's logits."""
-    peft = pytest.importorskip("peft")
+    pytest.importorskip("peft")
     import jax
     from flax import nnx
 
     from shardlib.config import LoRAConfig
-    from tests.helpers import torch_logits
 
     path, _ = saved["mixtral"]
     config = Config(mesh=MeshConfig(data=2, expert=4), model=hf.load_config(path),
@@ -242,9 +250,4 @@ def test_export_peft_writes_a_lora_runs_expert_adapters(saved, tmp_path):
     ours = np.asarray(jax.jit(lambda m, x: m(x))(module, TOKENS))
     assert main(["export", "--format", "peft", "--checkpoint-dir", str(tmp_path / "c"),
                  "--out", str(tmp_path / "adapter")]) == 0
-    loaded = peft.PeftModel.from_pretrained(
-        transformers.AutoModelForCausalLM.from_pretrained(path), tmp_path / "adapter").eval()
-    theirs = torch_logits(loaded, TOKENS)
-    np.testing.assert_allclose(theirs, ours, rtol=0, atol=TOL)
-    with loaded.disable_adapter():
-        assert np.abs(torch_logits(loaded, TOKENS) - theirs).max() > 100 * TOL
+    _assert_peft_gives(ours, path, tmp_path / "adapter")

@@ -309,7 +309,7 @@ def peft_logits_without_adapter(model) -> np.ndarray:
         return model(input_ids=torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
 
 
-def test_adapter_trained_here_loads_in_peft(hf_pair, tmp_path):
+def test_adapter_trained_here_loads_in_peft(hf_pair, tmp_path, capsys):
     torch, transformers, peft = _hf_modules()
     if "qwen2" in str(hf_pair[0]):
         pytest.skip("one family trains (compile time); both are held to peft above")
@@ -336,6 +336,25 @@ def test_adapter_trained_here_loads_in_peft(hf_pair, tmp_path):
         theirs = loaded(input_ids=torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(theirs, ours, rtol=0, atol=TOL)
     assert np.abs(theirs - peft_logits_without_adapter(loaded)).max() > 100 * TOL
+    # `generate` from the LoRA checkpoint and from the base with the PEFT adapter: both
+    # print peft's greedy continuation (byte-level text: the base has no tokenizer.json)
+    from shardlib import data as data_lib
+
+    prompt = np.asarray(data_lib.encode("Hello"), np.int64)[None]
+    def greedy() -> list[int]:
+        with torch.no_grad():
+            return loaded.generate(torch.tensor(prompt), max_new_tokens=6, do_sample=False,
+                                   eos_token_id=None)[0, prompt.shape[1]:].tolist()
+
+    want = greedy()
+    with loaded.disable_adapter():
+        assert greedy() != want  # the adapter changes the continuation
+    for source in (["--checkpoint-dir", str(tmp_path / "run")],
+                   ["--init-from", str(base), "--adapter", str(tmp_path / "adapter")]):
+        capsys.readouterr()
+        assert main(["generate", *source, "--prompt", "Hello", "--max-new-tokens", "6",
+                     "--devices", "8"]) == 0
+        assert capsys.readouterr().out.rstrip("\n") == data_lib.decode(want), source
     # merged into the base: the Hugging Face exports (of the module, of the checkpoint)
     hf.save_pretrained(module, tmp_path / "merged")
     assert main(["export", "--format", "hf", "--checkpoint-dir", str(tmp_path / "run"),

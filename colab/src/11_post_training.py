@@ -136,12 +136,12 @@ plt.show()
 # ## 4. Ask the tuned model, with the chat template
 # The prompt is one user message rendered with the template and its generation prompt;
 # decoding stops at the template's end-of-turn token. The adapters are part of the model:
-# give `generate_cached` the trained adapters and the frozen base together.
+# give `generate_cached` the trained adapters and the frozen base together (`weights()`).
 
 # %%
 question = [{"role": "user", "content": "What is 3 + 4?"}]
 prompt = chat.prompt_ids(template, question)
-weights = nnx.merge_state(result.state.params, result.state.model_state)
+weights = result.state.weights()  # the adapters and the frozen base
 reply_ids = generate_cached(result.setup, weights, [prompt], 8,
                             stop_tokens=chat.stop_ids(template))[0]
 ours_reply = template.decode(reply_ids, skip_special_tokens=True)

@@ -96,8 +96,10 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="continue a prompt with the KV cache and print it")
     source = gen.add_mutually_exclusive_group(required=True)
     source.add_argument("--init-from", metavar="HF_DIR", help="a Hugging Face "
-                        "save_pretrained directory (GPT-2, Llama 1-3.x, Qwen2)")
-    source.add_argument("--checkpoint-dir", help="a `train --checkpoint-dir` (newest step)")
+                        "save_pretrained directory (GPT-2, Llama 1-3.x, Qwen2/3, Mixtral, "
+                        "Qwen2/3-MoE)")
+    source.add_argument("--checkpoint-dir", help="a `train --checkpoint-dir` (newest step; "
+                        "a LoRA or QLoRA run's adapters on its frozen base)")
     text = gen.add_mutually_exclusive_group(required=True)
     text.add_argument("--prompt", help="the text to continue")
     text.add_argument("--chat", metavar="MESSAGE", help="a user message, rendered with the "
@@ -106,6 +108,8 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--tokenizer", metavar="HF_DIR", help="the Hugging Face directory whose "
                      "tokenizer (and chat template) encodes and decodes the text (default: "
                      "--init-from)")
+    gen.add_argument("--adapter", metavar="PEFT_DIR", help="with --init-from: a PEFT LoRA "
+                     "adapter directory (adapter_config.json) put on the model first")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     gen.add_argument("--top-k", type=int, default=0, help="sample from the best K (0: all)")

@@ -1,7 +1,8 @@
 """``shardlib generate``: continue a prompt with the KV cache, print the text.
 
 The model comes from a Hugging Face directory (``--init-from``, decoded with its
-``tokenizer.json`` when there is one) or a training checkpoint (``--checkpoint-dir``,
+``tokenizer.json`` when there is one; ``--adapter``: a PEFT LoRA adapter on it) or a
+training checkpoint (``--checkpoint-dir``, a LoRA run's adapters on its frozen base;
 byte-level text as training uses, or ``--tokenizer``'s). Temperature 0 is greedy decoding.
 ``--chat MESSAGE`` renders a user message with the chat template SFT trained with
 (``data.chat``) and prints the assistant's reply, stopped at its end-of-turn token.
@@ -10,20 +11,22 @@ byte-level text as training uses, or ``--tokenizer``'s). Temperature 0 is greedy
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
 
 import jax
+from flax import nnx
 from tokenizers import Tokenizer
 
 from shardlib import data as data_lib
 from shardlib.checkpoint import Checkpointer
-from shardlib.config import Config, MeshConfig, ModelConfig, TrainConfig, parse_mesh
+from shardlib.config import Config, LoRAConfig, MeshConfig, ModelConfig, TrainConfig, parse_mesh
 from shardlib.data import chat
 from shardlib.errors import ShardlibError
 from shardlib.export import good_step
-from shardlib.interop.hf import load_config, load_params
+from shardlib.interop import peft as peft_io
+from shardlib.interop.hf import load_config, load_params, pretrained_state, saved_lora, saved_model
 from shardlib.train.generate import generate_cached
+from shardlib.train.setup import TrainSetup
 from shardlib.train.state import build_setup
 
 
@@ -65,14 +68,30 @@ class _Chat:
         return self.template.decode(ids, skip_special_tokens=True)
 
 
-def _model_config(args: argparse.Namespace) -> tuple[ModelConfig, int | None]:
+def _model_config(args: argparse.Namespace) -> tuple[ModelConfig, LoRAConfig, int | None]:
+    """The model, its adapters' config (rank 0: none) and the checkpoint step (None: HF)."""
+    adapter = getattr(args, "adapter", None)
     if args.init_from:
-        return load_config(args.init_from), None
+        model = load_config(args.init_from)
+        return model, peft_io.read_config(adapter, model) if adapter else LoRAConfig(), None
+    if adapter:
+        raise ShardlibError(f"--adapter {adapter} with --checkpoint-dir: a checkpoint holds "
+                            "its own adapters; give --adapter with --init-from BASE")
     checkpointer = Checkpointer(args.checkpoint_dir, read_only=True)
     step = good_step(checkpointer, None)
-    saved = checkpointer.saved_config(step).get("model", {})
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in saved.items() if k in known}), step
+    saved = checkpointer.saved_config(step)
+    return saved_model(saved), saved_lora(saved), step
+
+
+def _weights(args: argparse.Namespace, setup: TrainSetup, step: int | None) -> nnx.State:
+    """Every variable of the model (with LoRA: the adapters and the frozen base)."""
+    if args.checkpoint_dir:
+        return Checkpointer(args.checkpoint_dir, read_only=True).restore(setup, step).weights()
+    if not setup.config.lora.rank:
+        return load_params(args.init_from, setup.config.model, setup.abstract_params,
+                           setup.state_shardings.params)
+    state = peft_io.adapter_state(setup, pretrained_state(setup, args.init_from), args.adapter)
+    return state.weights()
 
 
 def run_generate(args: argparse.Namespace, devices: list[jax.Device]) -> int:
@@ -82,7 +101,7 @@ def run_generate(args: argparse.Namespace, devices: list[jax.Device]) -> int:
     directory = getattr(args, "tokenizer", None) or args.init_from
     text = _Chat(directory) if getattr(args, "chat", None) is not None else _Text(directory)
     prompt = text.prompt(args)
-    model, step = _model_config(args)
+    model, lora, step = _model_config(args)
     if not prompt:
         raise ShardlibError("--prompt: encodes to no tokens; give some text")
     stops = tuple(t for t in text.stops if t < model.vocab_size)
@@ -90,16 +109,11 @@ def run_generate(args: argparse.Namespace, devices: list[jax.Device]) -> int:
         raise ShardlibError(f"--max-new-tokens {args.max_new_tokens}: prompt ({len(prompt)}) + "
                             f"new tokens exceed model.max_seq_len={model.max_seq_len}")
     mesh = parse_mesh(args.mesh) if args.mesh is not None else MeshConfig()
-    config = Config(mesh=mesh, model=model, train=TrainConfig(
+    config = Config(mesh=mesh, model=model, lora=lora, train=TrainConfig(
         batch_size=len(devices), seq_len=min(model.max_seq_len, 64), data="synthetic",
         eval_every=0, sample_tokens=0))
     setup = build_setup(config, devices)
-    if args.init_from:
-        params = load_params(args.init_from, model, setup.abstract_params,
-                             setup.state_shardings.params)
-    else:
-        params = Checkpointer(args.checkpoint_dir, read_only=True).restore(setup, step).params
-    new = generate_cached(setup, params, [prompt], args.max_new_tokens,
+    new = generate_cached(setup, _weights(args, setup, step), [prompt], args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           stop_tokens=stops, seed=args.seed)[0]
     print(text.decode(new), flush=True)

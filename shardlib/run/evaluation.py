@@ -11,7 +11,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 from shardlib import data as data_lib
 from shardlib.config import TrainConfig
@@ -77,8 +76,7 @@ def sample_text(setup: TrainSetup, state: TrainState, tc: TrainConfig,
     if tc.sample_tokens <= 0:
         return ""
     prompt = np.asarray(tokenizer.encode("def " if tc.data == "stdlib" else "\n"), np.int32)
-    weights = state.params if state.model_state is None else nnx.merge_state(
-        state.params, state.model_state)  # LoRA: the adapters and the frozen base
+    weights = state.weights()  # LoRA: the adapters and the frozen base
     with timeline.phase("compile"):
         sample = compile_generate(setup, weights, prompt, tc.sample_tokens,
                                   temperature=tc.sample_temperature, top_k=tc.sample_top_k)

@@ -37,6 +37,12 @@ class TrainState:
     # an EMA), as the loss leaves them; None for a model with none (the GPT)
     model_state: Any = None
 
+    def weights(self) -> nnx.State:
+        """Every variable of the model: ``params`` and, where there is any, ``model_state``
+        (LoRA's frozen base beside its adapters), what ``nnx.merge`` of the graphdef takes."""
+        return self.params if self.model_state is None else nnx.merge_state(
+            self.params, self.model_state)
+
 
 @dataclass(frozen=True)
 class TrainSetup:
