@@ -8,6 +8,7 @@ for a person, with the parameter sharding table first.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import sys
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from rich.console import Console
 from rich.table import Table
 
+from shardlib.analysis.adapters import adapter_factors, trained_state_bytes
 from shardlib.analysis.flops import FlopsReport, flops_report, xla_flops
 from shardlib.analysis.hlo import Collective, comm_bytes_per_device, parse_collectives
 from shardlib.analysis.kernels import (
@@ -31,8 +33,8 @@ from shardlib.analysis.kernels import (
     grouped_matmul_choice,
     kernel_facts,
 )
-from shardlib.analysis.memory import MemoryReport, memory_report, state_bytes
-from shardlib.analysis.peak import PeakTerms, peak_terms, resolved_kernel
+from shardlib.analysis.memory import MemoryReport, memory_report, state_bytes, tree_shard_bytes
+from shardlib.analysis.peak import PeakTerms, counts_for, peak_terms, resolved_kernel
 from shardlib.analysis.tables import rules_line, sharding_table
 from shardlib.analysis.theory import Term, comm_bytes, state_bytes_per_device
 from shardlib.analysis.tree import gathered_bytes, tree_comm_terms, tree_peak_terms
@@ -136,8 +138,7 @@ def analyze(config: Config, devices: list[jax.Device] | None = None, *,
     if not setup.model.has("planner"):
         return _analyze_tree(setup, compiled, state, batch, collectives, compile_s, target)
     terms = comm_theory(setup, config)
-    memory = memory_report(compiled, state, batch, state_bytes_per_device(config, setup.sizes),
-                           platform_of(setup.mesh))
+    memory = memory_report(compiled, state, batch, state_theory(setup), platform_of(setup.mesh))
     flops = flops_report(setup.config, compiled, setup.mesh.devices.size)  # scan resolved
     facts = kernel_facts(text)
     return Inspection(setup, collectives, terms, memory, peak_formula(setup), flops, compile_s,
@@ -154,6 +155,19 @@ def comm_theory(setup: TrainSetup, config: Config) -> list[Term]:
         return lora_step_terms(setup.config, setup.sizes, setup.abstract_params, specs,
                                **dtypes)
     return step_comm_terms(config, setup.sizes, **dtypes)
+
+
+def state_theory(setup: TrainSetup) -> int:
+    """The formula of the persistent trained state on a device: a LoRA model's adapters
+    and their moments (``analysis.adapters``; its frozen base is ``model_state``), else
+    the full model's ``(1 + 2) P``."""
+    config, sizes = setup.config, setup.sizes
+    if not config.lora.rank:
+        return state_bytes_per_device(config, sizes)
+    specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
+    moments_split = sizes.get("data", 1) if config.mesh.zero in (1, 2) else 1
+    return trained_state_bytes(adapter_factors(setup.abstract_params, specs, sizes),
+                               moments_split)
 
 
 def abstract_user_batch(setup: TrainSetup, batch: Mapping[str, Any]
@@ -263,9 +277,18 @@ def peak_formula(setup: TrainSetup) -> PeakTerms:
     config, compute = setup.config, jnp.dtype(setup.policy.compute).itemsize
     platform = platform_of(setup.mesh)
     cpu = platform == "cpu"
-    return peak_terms(config, setup.sizes, explicit=tensor.gathers_by_hand(config, setup.sizes),
-                      microbatches=config.train.grad_accum, compute_bytes=compute,
-                      gather_bytes=4 if cpu else compute, prefetch=not cpu, platform=platform)
+    terms = peak_terms(config, setup.sizes,
+                       explicit=tensor.gathers_by_hand(config, setup.sizes),
+                       microbatches=config.train.grad_accum, compute_bytes=compute,
+                       gather_bytes=4 if cpu else compute, prefetch=not cpu, platform=platform)
+    if not config.lora.rank:
+        return terms
+    # LoRA: the trained state is the adapters' (gradients and update theirs alone), and
+    # the frozen base is held beside it in its own layout (model_state)
+    trained = state_theory(setup)
+    base = tree_shard_bytes(abstract_state(setup).model_state)
+    return dataclasses.replace(terms, state=trained + base,
+                               update=round(counts_for(platform).update * trained / 3))
 
 
 # ----------------------------------------------------------------------------- JSON

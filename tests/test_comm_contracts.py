@@ -212,3 +212,16 @@ def test_kept_pipeline_runs_the_stage_forward_collectives_once():
     assert tensor["keep"] < 0.7 * tensor["recompute"]  # measured 0.67x
     assert_close(tensor["keep"], theory_bytes(keep, ("tensor",), "all-reduce"), "keep tensor")
     assert (step_bytes(on(keep, ("pipeline",))) == step_bytes(on(recompute, ("pipeline",))))
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if name.startswith("lora_")])
+def test_a_lora_steps_state_is_its_adapters_and_their_moments(name):
+    """A LoRA step's persistent trained state is its adapters and their two AdamW moments
+    (``inspect.state_theory``; the frozen base is ``model_state``): the compiled state
+    matches it, far below full fine-tuning's ``(1 + 2) P``, and the peak formula holds
+    the frozen base beside it."""
+    ins = inspection(name)
+    memory, config, sizes = ins.memory, ins.setup.config, ins.setup.sizes
+    assert memory.state_ratio == pytest.approx(1.0, abs=0.01)
+    assert memory.theory_state_bytes_per_device < state_bytes_per_device(config, sizes) / 2
+    assert ins.peak.state > memory.theory_state_bytes_per_device  # + the frozen base

@@ -24,7 +24,7 @@ from fractions import Fraction
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from shardlib.analysis.theory import Term
+from shardlib.analysis.theory import ADAM_MOMENTS, Term
 from shardlib.annotations import declared_dims
 from shardlib.models.lora import FACTORS, STACK_DIMS
 from shardlib.parallel.fsdp import restrict_spec
@@ -87,6 +87,13 @@ def adapter_factors(params: nnx.State, specs: nnx.State,
                           bool(dims) and dims[0] in STACK_DIMS, math.prod(lead),
                           read_merged(dims)))
     return out
+
+
+def trained_state_bytes(factors: list[Factor], moments_split: int = 1) -> int:
+    """A LoRA model's persistent trained state on a device: every factor and AdamW's two
+    moments of it, ``(1 + 2) A`` (the moments split over ``moments_split`` replicas under
+    ZeRO-1/2); the frozen base is non-trained state, held apart."""
+    return round(sum(f.held for f in factors) * (1 + ADAM_MOMENTS / moments_split))
 
 
 def adapted_weight_bytes(params: nnx.State, specs: nnx.State, sizes: Mapping[str, int],
