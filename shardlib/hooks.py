@@ -14,13 +14,12 @@ backward (``reshard_after_forward``, torchtitan's name), or keep it.
 
 Layer hooks (``enter_region``, ``exit_region``, ``sequence_rows``, ``vocab_lookup``,
 ``attention``, ``expert_ffn``, ``dropless_ffn``, ``row_mean``, ``cross_entropy``,
-``manual_split``): the
-places where Megatron TP/SP, context parallelism and expert parallelism act inside a
-layer. Each is the plain computation until ``shardlib.parallel`` installs its strategy
-(``install_layer_hooks``, once, on import); the installed function is itself the plain
-computation unless its strategy is active for the trace (``parallel.tensor.manual_tensor``,
-``parallel.context.context_parallel``, an ``expert`` axis in the active rules, the
-pipeline's ``parallel.moe_manual.manual_experts``).
+``manual_split``): the places where Megatron TP/SP, context parallelism and expert
+parallelism act inside a layer. Each is the plain computation until ``shardlib.parallel``
+installs its strategy (``install_layer_hooks``, once, on import); the installed function is
+itself the plain computation unless its strategy is active for the trace
+(``parallel.tensor.manual_tensor``, ``parallel.context.context_parallel``, an ``expert``
+axis in the active rules, the pipeline's ``parallel.moe_manual.manual_experts``).
 """
 
 from __future__ import annotations
