@@ -36,7 +36,7 @@ from shardlib.analysis.kernels import (
 from shardlib.analysis.memory import MemoryReport, memory_report, state_bytes, tree_shard_bytes
 from shardlib.analysis.peak import PeakTerms, counts_for, peak_terms, resolved_kernel
 from shardlib.analysis.tables import rules_line, sharding_table
-from shardlib.analysis.theory import Term, comm_bytes, state_bytes_per_device
+from shardlib.analysis.theory import Term, comm_bytes, moments_split, state_bytes_per_device
 from shardlib.analysis.tree import gathered_bytes, tree_comm_terms, tree_peak_terms
 from shardlib.config import Config, to_dict
 from shardlib.contract import Model
@@ -141,8 +141,9 @@ def analyze(config: Config, devices: list[jax.Device] | None = None, *,
     memory = memory_report(compiled, state, batch, state_theory(setup), platform_of(setup.mesh))
     flops = flops_report(setup.config, compiled, setup.mesh.devices.size)  # scan resolved
     facts = kernel_facts(text)
-    return Inspection(setup, collectives, terms, memory, peak_formula(setup), flops, compile_s,
-                      facts, compiled_attention(attention_kernel(setup), facts), target)
+    return Inspection(setup, collectives, terms, memory, peak_formula(setup, state), flops,
+                      compile_s, facts, compiled_attention(attention_kernel(setup), facts),
+                      target)
 
 
 def comm_theory(setup: TrainSetup, config: Config) -> list[Term]:
@@ -165,9 +166,8 @@ def state_theory(setup: TrainSetup) -> int:
     if not config.lora.rank:
         return state_bytes_per_device(config, sizes)
     specs = jax.tree.map(lambda sh: sh.spec, setup.state_shardings.params)
-    moments_split = sizes.get("data", 1) if config.mesh.zero in (1, 2) else 1
     return trained_state_bytes(adapter_factors(setup.abstract_params, specs, sizes),
-                               moments_split)
+                               moments_split(config, sizes))
 
 
 def abstract_user_batch(setup: TrainSetup, batch: Mapping[str, Any]
@@ -272,8 +272,9 @@ def activation_bytes(setup: TrainSetup) -> int:
     return 4 if cpu else jnp.dtype(setup.policy.compute).itemsize
 
 
-def peak_formula(setup: TrainSetup) -> PeakTerms:
-    """``analysis.peak`` for this setup: its path, microbatches and dtypes."""
+def peak_formula(setup: TrainSetup, state: Any) -> PeakTerms:
+    """``analysis.peak`` for this setup: its path, microbatches and dtypes (``state``: its
+    abstract train state, whose ``model_state`` is a LoRA model's frozen base)."""
     config, compute = setup.config, jnp.dtype(setup.policy.compute).itemsize
     platform = platform_of(setup.mesh)
     cpu = platform == "cpu"
@@ -286,7 +287,7 @@ def peak_formula(setup: TrainSetup) -> PeakTerms:
     # LoRA: the trained state is the adapters' (gradients and update theirs alone), and
     # the frozen base is held beside it in its own layout (model_state)
     trained = state_theory(setup)
-    base = tree_shard_bytes(abstract_state(setup).model_state)
+    base = tree_shard_bytes(state.model_state)
     return dataclasses.replace(terms, state=trained + base,
                                update=round(counts_for(platform).update * trained / 3))
 

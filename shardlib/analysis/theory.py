@@ -373,9 +373,13 @@ def state_bytes_per_device(config: Config, sizes: Mapping[str, int],
     split the layers and replicate the weights outside them (``pipeline_share``).
     """
     g = geometry(config, sizes, param_bytes)
-    moments_split = sizes.get("data", 1) if config.mesh.zero in (1, 2) else 1
     params = float(g.params_per_device) * pipeline_share(config, sizes)
-    return round(params * (1 + ADAM_MOMENTS / moments_split))
+    return round(params * (1 + ADAM_MOMENTS / moments_split(config, sizes)))
+
+
+def moments_split(config: Config, sizes: Mapping[str, int]) -> int:
+    """The replicas AdamW's moments are split over: ``data`` under ZeRO-1/2, else none."""
+    return sizes.get("data", 1) if config.mesh.zero in (1, 2) else 1
 
 
 def pipeline_share(config: Config, sizes: Mapping[str, int]) -> float:

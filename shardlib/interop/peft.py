@@ -177,9 +177,9 @@ def export_adapter(directory: str | os.PathLike, out: str | os.PathLike,
             raise ConfigError(f"{directory}: step {step} has no LoRA adapters (lora.rank="
                               f"{cfg.rank}); export the whole model with --format hf")
         reader = ocp.PyTreeCheckpointer()
-        factors = {name.rsplit(".", 1)[0]: tuple(
-            read_array(reader, checkpointer, step, keys[f"{name.rsplit('.', 1)[0]}.{f}"])
-            for f in lora.FACTORS) for name in keys}
+        adapted = dict.fromkeys(name.rsplit(".", 1)[0] for name in keys)  # each A, B pair once
+        factors = {path: tuple(read_array(reader, checkpointer, step, keys[f"{path}.{f}"])
+                               for f in lora.FACTORS) for path in adapted}
         return step, write_adapter(out, model_cfg, cfg, factors, saved.get("train", {}).get(
             "init_from", ""))
     finally:
