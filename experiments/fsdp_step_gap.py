@@ -8,6 +8,9 @@ Variants (the ViT of ``bench_any_model``, ``model.remat=none`` as its timings):
 - ``nocond``: ``remat_unit`` without its ``lax.cond``: XLA merges the backward's
   re-gather into the forward's gather (no re-gather; gathered weights kept).
 - ``keep``: ``mesh.reshard_after_forward=false`` (no remat wrapper, no cond, no re-gather).
+- ``minor``: each weight gathered on its fsdp-split dim as it stands, not on its major
+  dim (``parallel.fsdp.gather_fsdp`` before 2026-11-29): a whole-gradient transpose
+  before each reduce-scatter of a kernel split on its minor dim.
 - ``hand``: the hand-written step (XLA's partitioner: all-reduce + dynamic-slice).
 
 Per variant: collectives (count, bytes sent per device), XLA's cost analysis, the bytes
@@ -31,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-VARIANTS = ("default", "noorder", "nocond", "keep", "hand")
+VARIANTS = ("default", "noorder", "nocond", "keep", "minor", "hand")
 
 
 def load() -> str:
@@ -57,8 +60,10 @@ def build(variant: str, depth: int, batch: int, width: int):
     setup = shardlib.build_setup(cfg, model=model)
     data = to_global(bench.host_batch(batch), setup.batch_sharding, model.batch)
     state = shardlib.init_state(setup, 0)
-    zero, unit = fsdp.ordering_zero, units.remat_unit
+    zero, unit, gather = fsdp.ordering_zero, units.remat_unit, fsdp.gather_fsdp
     try:  # the toggles act while tracing only
+        if variant == "minor":
+            fsdp.gather_fsdp = lambda x, dim: jax.lax.all_gather(x, "fsdp", axis=dim, tiled=True)
         if variant == "noorder":
             fsdp.ordering_zero = lambda after: None
         if variant == "nocond":
@@ -81,7 +86,7 @@ def build(variant: str, depth: int, batch: int, width: int):
                 jax.block_until_ready(metrics["loss"])
                 return [new, data]
     finally:
-        fsdp.ordering_zero, units.remat_unit = zero, unit
+        fsdp.ordering_zero, units.remat_unit, fsdp.gather_fsdp = zero, unit, gather
     return run, args, comp, setup.mesh
 
 
