@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# One GPU's figures for docs/results/gpu.md, in one run (about 4 minutes on an H200):
-#   1. model MFU on one GPU, beside the hand-written jax.jit step (bench.py): a ~350M GPT
-#      (d_model 1024, 24 layers) with each attention kernel, an 806M one (d_model 2048, 16
-#      layers; its traced step and HLO kept in OUT_DIR/trace; again with remat dots and
-#      with its layers scanned) and a 944M one (d_model 2560, 12 layers); each row in
-#      both MFU conventions, the hand-written step on shardlib's attention kernel.
-#      model.scan_layers=auto (the default) unrolls these 12-24 layer models on one GPU;
-#   2. the attention kernels alone (xla, chunked, cudnn), bf16, forward + backward;
-#   3. KV-cache decode against the no-cache window path (decode_bench.py), two models.
-# Everything it prints also lands in $OUT_DIR (default experiments/results/gpu).
+# One GPU's figures for docs/results/gpu.md, in one run, by section (SECTIONS="..." runs
+# those, in the order given; default: all, in this order):
+#   headline  the 806M GPT (d_model 2048, 16 layers) and the 944M one (d_model 2560, 12
+#             layers) in bf16 and with fp8 matmuls (precision.matmul=fp8), beside the
+#             hand-written jax.jit step on shardlib's attention kernel (bench.py), each
+#             row in both MFU conventions; model.scan_layers=auto (the default) unrolls
+#             these 12-16 layer models on one GPU;
+#   scan      the 806M step with its layers scanned, bf16 and fp8, and with remat dots;
+#   moe       the dropless MoE layer's grouped matmul timed on the GPU: the tile scan
+#             against tokamax's Triton kernel and ragged_dot at 8, 64, 256 experts
+#             (moe_gmm_gpu.py --time; tokamax installed beside jax);
+#   trace     the 806M step traced (its kernels and HLO in OUT_DIR/trace);
+#   small     a ~350M GPT (d_model 1024, 24 layers) with each attention kernel;
+#   attention the attention kernels alone (xla, chunked, cudnn), bf16, forward + backward;
+#   decode    KV-cache decode against the no-cache window path (decode_bench.py).
+# headline + scan + moe take about 6 minutes on an H200 (a session's device time is 15);
+# all of it about 10. Everything it prints also lands in $OUT_DIR (default
+# experiments/results/gpu).
 #     bash experiments/gpu_suite.sh [OUT_DIR]        # QUICK=1: tiny sizes (checks the paths)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +30,7 @@ if [[ ${QUICK:-0} == 1 ]]; then
   m1b=(model.d_model=128 model.num_heads=2 model.d_ff=512 model.max_seq_len=128)
   m944=("${m1b[@]}"); shape1b=("${shape[@]}"); shape944=("${shape[@]}"); kernels=xla,chunked
   decode=(--model tiny --window 64 --long 24); decode2=(--model tiny --window 32 --long 12)
+  moe=(--quick --seq 256)
 else
   seqs=2048,4096,8192
   shape=(--layers 24 --batch-size 8 --seq-len 2048 --rounds 3 --steps-per-round 3)
@@ -31,8 +40,9 @@ else
   shape1b=(--layers 16 --batch-size 8 --seq-len 2048 --rounds 3 --steps-per-round 3)
   shape944=(--layers 12 --batch-size 8 --seq-len 2048 --rounds 3 --steps-per-round 3)
   kernels=xla,chunked,cudnn; decode=(--model small --window 512)
-  decode2=(--model medium --window 1024)
+  decode2=(--model medium --window 1024); moe=()
 fi
+sections=${SECTIONS:-headline scan moe trace small attention decode}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
   $py -c "import jax, jaxlib, flax, optax, sys; print('python', sys.version.split()[0], \
 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'optax', \
@@ -43,17 +53,36 @@ bench() {  # bench LABEL KERNEL SHAPE_ARRAY_NAME MODEL_ARRAY_NAME [bench.py opti
   $py experiments/bench.py --device-counts 1 --precision bf16 --depth '' "${@:5}" \
     "${sh[@]}" --set "${md[@]}" attention.impl=$2 --out "$out/$1_$2" 2>&1 | tee -a "$out/bench.txt"
 }
-first=${kernels##*,}   # the headline first (cudnn on a GPU), in case the run is cut short
-bench 350m "$first" shape m350 --no-profile
-bench 1b "$first" shape1b m1b --trace-dir "$out/trace"   # where the time goes, per kernel
-bench 944m "$first" shape944 m944 --no-profile
-# what the 806M step keeps: remat dots, and layers scanned (auto unrolls them here)
-bench 1b_dots "$first" shape1b m1b --no-profile --set model.remat=dots
-bench 1b_scanned "$first" shape1b m1b --no-profile --set model.scan_layers=true
-for k in ${kernels//,/ }; do [[ $k == "$first" ]] || bench 350m "$k" shape m350 --no-profile; done
-echo "== attention kernels alone" | tee "$out/attention.txt"
-$py experiments/attention_bench.py --kernels "$kernels" --dtype bfloat16 --heads 16 \
-  --head-dim 128 --seq-lens "$seqs" 2>&1 | tee -a "$out/attention.txt"
-echo "== decode" | tee "$out/decode.txt"
-$py experiments/decode_bench.py "${decode[@]}" 2>&1 | tee -a "$out/decode.txt"
-$py experiments/decode_bench.py "${decode2[@]}" 2>&1 | tee -a "$out/decode.txt"
+first=${kernels##*,}   # cudnn on a GPU
+fp8=(--set precision.matmul=fp8)
+for section in $sections; do
+  case $section in
+    headline)
+      bench 1b "$first" shape1b m1b --no-profile
+      bench 1b_fp8 "$first" shape1b m1b --no-profile "${fp8[@]}"
+      bench 944m "$first" shape944 m944 --no-profile
+      bench 944m_fp8 "$first" shape944 m944 --no-profile "${fp8[@]}" ;;
+    scan)
+      bench 1b_scanned "$first" shape1b m1b --no-profile --set model.scan_layers=true
+      bench 1b_scanned_fp8 "$first" shape1b m1b --no-profile --set model.scan_layers=true \
+        "${fp8[@]}"
+      bench 1b_dots "$first" shape1b m1b --no-profile --set model.remat=dots ;;
+    moe)
+      echo "== MoE grouped matmul, timed" | tee "$out/moe.txt"
+      $py experiments/moe_gmm_gpu.py --time --impls tile_scan,tokamax_triton,ragged_dot \
+        "${moe[@]}" 2>&1 | tee -a "$out/moe.txt"
+      cp experiments/results/moe_gmm_gpu_time.csv "$out/" 2>/dev/null ;;
+    trace) bench 1b_trace "$first" shape1b m1b --trace-dir "$out/trace" ;;
+    small)
+      for k in ${kernels//,/ }; do bench 350m "$k" shape m350 --no-profile; done ;;
+    attention)
+      echo "== attention kernels alone" | tee "$out/attention.txt"
+      $py experiments/attention_bench.py --kernels "$kernels" --dtype bfloat16 --heads 16 \
+        --head-dim 128 --seq-lens "$seqs" 2>&1 | tee -a "$out/attention.txt" ;;
+    decode)
+      echo "== decode" | tee "$out/decode.txt"
+      $py experiments/decode_bench.py "${decode[@]}" 2>&1 | tee -a "$out/decode.txt"
+      $py experiments/decode_bench.py "${decode2[@]}" 2>&1 | tee -a "$out/decode.txt" ;;
+    *) echo "unknown section $section (headline scan moe trace small attention decode)" >&2 ;;
+  esac
+done
