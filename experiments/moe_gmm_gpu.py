@@ -52,6 +52,11 @@ KERNELS = {"triton": "__gpu$xla.gpu.triton", "mosaic_gpu": "mosaic_gpu_v2"}
 SEQ, D_MODEL, D_FF, TOP_K = 4096, 256, 512, 2
 
 
+def expert_counts(quick: bool) -> tuple[int, ...]:
+    """The expert counts a sweep covers (``--quick``: the first two)."""
+    return (8, 64) if quick else (8, 64, 256)
+
+
 def layer_grad(experts: int, impl: str, mesh_axes: dict[str, int], devices: list,
                seq: int = SEQ) -> tuple:
     """One MoE layer's loss gradient (input and weights) over ``devices``, one sequence of
@@ -103,8 +108,7 @@ def sweep(quick: bool, impls: tuple[str, ...]) -> list[dict]:
     devices = parse_target("h100x8").devices()
     path = RESULTS / "moe_gmm_gpu.csv"
     rows = read_csv(path)
-    points = [(e, impl, {"data": 8}) for e in ((8, 64) if quick else (8, 64, 256))
-              for impl in impls]
+    points = [(e, impl, {"data": 8}) for e in expert_counts(quick) for impl in impls]
     points += [(8, impl, {"data": 2, "expert": 4}) for impl in ("tile_scan", "auto")
                if impl in impls]
     for experts, impl, mesh_axes in points:
@@ -198,7 +202,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.time:
         time_sweep(args.seq, tuple(i for i in args.impls.split(",") if i != "auto"),
-                   (8, 64) if args.quick else (8, 64, 256))
+                   expert_counts(args.quick))
     else:
         sweep(args.quick, tuple(args.impls.split(",")))
 

@@ -148,8 +148,8 @@ def weight_gatherer(rules: Rules, sizes: Mapping[str, int],
         cast_var = cast if isinstance(var, nnx.Param) else lambda x: x
         if dim is None:
             return var.replace(value=cast_var(value))
-        gather = lambda x: gather_fsdp(x, dim)
-        whole = cast_var(gather(waits_for(value, zero))) if cpu else gather(cast_var(value))
+        whole = (cast_var(gather_fsdp(waits_for(value, zero), dim)) if cpu
+                 else gather_fsdp(cast_var(value), dim))
         return var.replace(value=checkpoint_name(whole, hooks.GATHERED))
 
     def gatherer(tree: Any, after: Any = ()) -> Any:
