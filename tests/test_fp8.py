@@ -36,6 +36,12 @@ X = jax.random.normal(jax.random.key(0), (4, 16, 64)) * 3  # (B, T, D)
 W = jax.random.normal(jax.random.key(1), (64, 32)) * 0.1  # (D, F)
 G = jax.random.normal(jax.random.key(2), (4, 16, 32)) * 1e-3  # output gradient (B, T, F)
 FP32_ROUNDING = 1e-6  # the same fp8 codes, scales applied in another order
+
+
+def amax_at(x: jax.Array, dtype: jnp.dtype, power: int) -> jax.Array:
+    """``x`` rescaled so its largest magnitude is ``max(dtype) * 2**power``: then
+    ``amax / max``, the scale of qwix's recipe, is a power of two, so ours is the same."""
+    return x / jnp.max(jnp.abs(x)) * float(jnp.finfo(dtype).max) * 2.0**power
 MESH = MeshConfig(data=2, fsdp=2, tensor=2)
 
 
@@ -56,7 +62,8 @@ def assert_close(got: jax.Array, want: jax.Array, rtol: float = FP32_ROUNDING) -
 
 def test_matches_qwix_quantized_training_dot():
     """qwix's ``dot_general_qt`` with e4m3 operands, e5m2 gradients and one scale per
-    tensor (channelwise axes off) is the same recipe: equal up to fp32 rounding."""
+    tensor (channelwise axes off) is the same recipe where its ``amax / max`` scales are
+    powers of two (ours round up to one): equal up to fp32 rounding."""
     dot_general_qt = pytest.importorskip("qwix._src.core.dot_general_qt")
     per_tensor = dict.fromkeys(("lhs_disable_channelwise_axes", "rhs_disable_channelwise_axes",
                                 "dlhs_grad_disable_channelwise_axes",
@@ -64,16 +71,32 @@ def test_matches_qwix_quantized_training_dot():
     config = dot_general_qt.DotGeneralQtConfig(
         lhs_qtype=fp8.FORWARD, rhs_qtype=fp8.FORWARD, dlhs_grad_qtype=fp8.BACKWARD,
         drhs_grad_qtype=fp8.BACKWARD, **per_tensor)
+    x, w = amax_at(X, fp8.FORWARD, -3), amax_at(W, fp8.FORWARD, -9)
+    g = amax_at(G, fp8.BACKWARD, -20)
     out, vjp = jax.vjp(lambda a, b: dot_general_qt.dot_general_qt(
-        a, b, (((2,), (0,)), ((), ())), config), X, W)
-    for got, want in zip(fp8_vjp(X, W, G), (out, *vjp(G)), strict=True):
+        a, b, (((2,), (0,)), ((), ())), config), x, w)
+    for got, want in zip(fp8_vjp(x, w, g), (out, *vjp(g)), strict=True):
         assert_close(got, want)
 
 
 def dequantized(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """``x`` through ``dtype`` with a per-tensor absmax scale, back in fp32 (reference)."""
-    scale = jnp.max(jnp.abs(x)) / float(jnp.finfo(dtype).max)
+    """``x`` through ``dtype`` with a per-tensor power-of-two scale (the smallest at or
+    above ``amax / max``), back in fp32 (reference)."""
+    ratio = float(jnp.max(jnp.abs(x))) / float(jnp.finfo(dtype).max)
+    scale = 2.0 ** np.ceil(np.log2(ratio))
     return (x / scale).astype(dtype).astype(jnp.float32) * scale
+
+
+@pytest.mark.parametrize("amax", [448.0, 448.0 * 2**-7, 448.0 * 3 * 2**-7, 1e-30, 3e38, 1.0])
+def test_scale_is_the_power_of_two_at_or_above_amax_over_max(amax):
+    """Exact powers of two map to themselves (``frexp``, not ``log2``), anything else to
+    the next one up, so the largest magnitude lands in e4m3's top binade, [224, 448]."""
+    x = jnp.array([amax, -amax / 3, 0.0], jnp.float32)
+    q, scale = fp8.quantize(x, fp8.FORWARD)
+    ratio = amax / 448.0
+    assert float(scale) == 2.0 ** np.ceil(np.log2(np.float64(np.float32(ratio))))
+    assert ratio <= float(scale) < 2 * ratio
+    assert 224.0 <= float(q[0].astype(jnp.float32)) <= 448.0
 
 
 def test_matches_quantize_dequantize_reference():
@@ -92,6 +115,28 @@ def test_forward_and_backward_dots_take_fp8_operands():
     assert len(dots) == 3  # (operand types) -> result type
     assert sum(d.count("xf8E4M3FN>") == 2 for d in dots) == 1  # forward: e4m3 x e4m3
     assert sum(d.count("xf8E4M3FN>") == d.count("xf8E5M2>") == 1 for d in dots) == 2
+
+
+@pytest.mark.parametrize("dtype, gemm", [(jnp.bfloat16, "bf16"), (jnp.float32, "f32"),
+                                         (jnp.float16, "f32")])
+def test_gemms_write_the_compute_dtype_where_its_range_allows(dtype, gemm):
+    """bf16 steps get bf16 GEMM outputs (no fp32 product for a convert to read back: the
+    GPU's cuBLASLt fp8 matmul then writes bf16 with the scales fused); fp16, whose range
+    the unscaled product can overflow, keeps fp32."""
+    text = jax.jit(fp8_vjp).lower(X.astype(dtype), W.astype(dtype), G.astype(dtype)).as_text()
+    dots = [line.split("->")[-1] for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 3 and all(f"x{gemm}>" in d for d in dots), dots
+
+
+def test_bf16_output_equals_the_fp32_product_rounded():
+    """A power-of-two scale applied after the GEMM's rounding to bf16 gives what rounding
+    the fp32-scaled product would (the recipe's exactness claim)."""
+    x, w = X.astype(jnp.bfloat16), W.astype(jnp.bfloat16)
+    out = fp8.fp8_einsum(SPEC, x, w)
+    x8, x_scale = fp8.quantize(x, fp8.FORWARD)
+    w8, w_scale = fp8.quantize(w, fp8.FORWARD)
+    product = jnp.einsum(SPEC, x8.astype(jnp.float32), w8.astype(jnp.float32))
+    np.testing.assert_array_equal(out, (product * x_scale * w_scale).astype(jnp.bfloat16))
 
 
 def test_output_and_gradients_keep_their_dtypes():
@@ -114,12 +159,18 @@ def test_linear_runs_in_fp8_only_when_asked():
     assert float(jnp.max(jnp.abs(quantized - plain))) > 0
 
 
+# each sequence of X six binades below the one before: a power-of-two scale only moves
+# the exponent, so a shard's own scale changes the codes only where the whole tensor's
+# scale leaves its values subnormal or zero (e4m3 spans 2**-9 to 448)
+X_SPREAD = X * 2.0 ** jnp.array([0, -6, -12, -18])[:, None, None]
+
+
 def sharded_fp8_einsum(check_vma: bool) -> jax.Array:
-    """``fp8_einsum(SPEC, X, W)`` inside shard_map, X split over (data, fsdp), W over
-    tensor."""
+    """``fp8_einsum(SPEC, X_SPREAD, W)`` inside shard_map, X split over (data, fsdp), W
+    over tensor."""
     mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
                          axis_types=(jax.sharding.AxisType.Explicit,) * 3)
-    x = jax.device_put(X, NamedSharding(mesh, P(("data", "fsdp"))))
+    x = jax.device_put(X_SPREAD, NamedSharding(mesh, P(("data", "fsdp"))))
     w = jax.device_put(W, NamedSharding(mesh, P(None, "tensor")))
     local = jax.shard_map(lambda a, b: fp8.fp8_einsum(SPEC, a, b), mesh=mesh,
                           in_specs=(P(("data", "fsdp")), P(None, "tensor")),
@@ -131,16 +182,18 @@ def sharded_fp8_einsum(check_vma: bool) -> jax.Array:
 def test_scale_is_global_under_shard_map(check_vma):
     """Every shard gets one device's scales: the fp8 product inside shard_map equals the
     unsharded one up to fp32 rounding."""
-    assert_close(sharded_fp8_einsum(check_vma), fp8.fp8_einsum(SPEC, X, W))
+    assert_close(sharded_fp8_einsum(check_vma), fp8.fp8_einsum(SPEC, X_SPREAD, W))
 
 
 def test_per_shard_scales_would_not(monkeypatch):
-    """The check above can fail: each shard's own amax (no pmax) moves the product by
-    a good fraction of an fp8 step."""
+    """The check above can fail: each shard's own amax (no pmax) moves the small
+    sequences' products by a good fraction of their size."""
     monkeypatch.setattr(fp8, "NOT_REDUCED", frozenset(MESH_AXES))
-    want = fp8.fp8_einsum(SPEC, X, W)
-    error = jnp.max(jnp.abs(sharded_fp8_einsum(True) - want)) / jnp.max(jnp.abs(want))
-    assert float(error) > 1000 * FP32_ROUNDING
+    want = fp8.fp8_einsum(SPEC, X_SPREAD, W)
+    got = np.asarray(sharded_fp8_einsum(True))
+    error = (np.max(np.abs(got - want), axis=(1, 2))
+             / np.max(np.abs(want), axis=(1, 2)))  # per sequence
+    assert error[0] < 1000 * FP32_ROUNDING < error.max()  # the largest is unmoved
 
 
 @pytest.fixture(scope="module")

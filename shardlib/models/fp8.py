@@ -3,10 +3,15 @@ floats, as Transformer Engine's and torchao's "tensorwise" recipes do.
 
 Forward: activation and weight in ``float8_e4m3fn`` (3 mantissa bits, max 448); backward:
 the output gradient in ``float8_e5m2`` (wider range, max 57344), multiplied with the saved
-e4m3 operands. Each operand has one fp32 scale per tensor, from its own absolute maximum in
-this step (current scaling): ``q = x / scale``, ``scale = amax / max(fp8)``; the product
-comes back to the compute dtype times both scales. The dot itself is ``lax.dot_general``
-on fp8 operands (fp32 accumulation), which the GPU compiler turns into an fp8 GEMM.
+e4m3 operands. Each operand has one scale per tensor, from its own absolute maximum in this
+step (current scaling): ``q = x / scale`` with ``scale`` the power of two at or above
+``amax / max(fp8)`` (so the largest magnitude lands in the top binade, [224, 448] for e4m3).
+The dot itself is ``lax.dot_general`` on fp8 operands, which the GPU compiler turns into an
+fp8 GEMM (a Triton fusion or cuBLASLt's fp8 matmul); it writes the compute dtype, and the
+scales are applied after that rounding. Power-of-two scales make that exact (multiplying
+by a power of two commutes with rounding), so the GEMM needs no fp32 output: with
+``amax / max`` scales the product would have to come out in fp32 (twice bf16's bytes,
+written and read again by a separate convert when cuBLASLt is chosen) to stay exact.
 
 "Per tensor" means the whole logical tensor under any sharding: inside ``shard_map`` the
 local absolute maximum is reduced (``pmax``, one scalar) over the manual mesh axes, so every
@@ -81,22 +86,41 @@ def global_amax(x: jax.Array) -> jax.Array:
     return jax.lax.pmax(as_varying(amax, frozenset(manual)), manual)
 
 
+def power_of_two_at_least(ratio: jax.Array) -> jax.Array:
+    """The smallest power of two ``>= ratio`` (> 0), exactly: from the float's exponent
+    bits (``frexp``), not ``log2``, which can land on either side of an exact power."""
+    mantissa, exponent = jnp.frexp(ratio)  # ratio = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return jnp.ldexp(jnp.float32(1), jnp.where(mantissa == 0.5, exponent - 1, exponent))
+
+
 def quantize(x: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
-    """(``x / scale`` in ``dtype``, the fp32 scale): per-tensor current scaling, the
-    largest magnitude mapped to ``dtype``'s largest finite value (scale 1 for all zeros)."""
+    """(``x / scale`` in ``dtype``, the fp32 scale): per-tensor current scaling with a
+    power-of-two scale, the largest magnitude mapped into ``dtype``'s top binade (scale 1
+    for all zeros)."""
     limit = float(jnp.finfo(dtype).max)
     amax = global_amax(x)
-    scale = jnp.where(amax > 0, amax / limit, 1.0)
+    scale = jnp.where(amax > 0, power_of_two_at_least(amax / limit), 1.0)
     q = jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(dtype)
     return q, scale
 
 
+def gemm_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    """What the fp8 GEMM writes for a ``dtype`` result: ``dtype`` itself where it has
+    fp32's exponent range (bf16, fp32), so a power-of-two scale applied after the rounding
+    is exact and the product needs no headroom; fp32 for fp16, whose range the unscaled
+    product (up to 448**2 per term) would overflow."""
+    wide = jnp.finfo(dtype).maxexp >= jnp.finfo(jnp.float32).maxexp
+    return jnp.dtype(dtype) if wide else jnp.dtype(jnp.float32)
+
+
 def scaled_einsum(spec: str, a: jax.Array, b: jax.Array, scale: jax.Array,
                   dtype: jnp.dtype) -> jax.Array:
-    """``einsum(spec, a, b)`` of fp8 operands accumulated in fp32, times ``scale``, in
-    ``dtype``."""
-    out = jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
-    return (out * scale).astype(dtype)
+    """``einsum(spec, a, b)`` of fp8 operands (fp32 accumulation) times the power-of-two
+    ``scale``, in ``dtype``: the GEMM writes ``gemm_dtype(dtype)`` and the compiler fuses
+    the scale into it (cuBLASLt's scale operand, or the Triton fusion's epilogue)."""
+    out_dtype = gemm_dtype(dtype)
+    out = jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
+    return (out * scale.astype(out_dtype)).astype(dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
