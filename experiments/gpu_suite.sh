@@ -6,16 +6,21 @@
 #             hand-written jax.jit step on shardlib's attention kernel (bench.py), each
 #             row in both MFU conventions; model.scan_layers=auto (the default) unrolls
 #             these 12-16 layer models on one GPU;
+#   fp8       the 944M step with fp8 matmuls, traced (where its time goes, by kernel kind,
+#             beside the hand-written bf16 step's), and again with XLA's Triton GEMMs
+#             off (every GEMM to cuBLAS / cuBLASLt);
 #   scan      the 806M step with its layers scanned, bf16 and fp8, and with remat dots;
 #   moe       the dropless MoE layer's grouped matmul timed on the GPU: the tile scan
-#             against tokamax's Triton kernel and ragged_dot at 8, 64, 256 experts
-#             (moe_gmm_gpu.py --time; tokamax installed beside jax);
+#             against tokamax's Mosaic GPU and Triton kernels and ragged_dot at 8, 64,
+#             256 experts, each kernel's loss and gradients held against the tile scan's
+#             (moe_gmm_gpu.py --time; tokamax, and jax-triton for Triton, beside jax);
 #   trace     the 806M step traced (its kernels and HLO in OUT_DIR/trace);
 #   small     a ~350M GPT (d_model 1024, 24 layers) with each attention kernel;
 #   attention the attention kernels alone (xla, chunked, cudnn), bf16, forward + backward;
 #   decode    KV-cache decode against the no-cache window path (decode_bench.py).
-# headline + scan + moe take about 6 minutes on an H200 (a session's device time is 15);
-# all of it about 10. Everything it prints also lands in $OUT_DIR (default
+# On an H200 each bench row takes 1.3-1.8 minutes (compile, both steps, timing), headline
+# about 6, moe under 1 (a session's device time is 15 minutes, one command at most 10: run
+# a few sections per command). Everything it prints also lands in $OUT_DIR (default
 # experiments/results/gpu).
 #     bash experiments/gpu_suite.sh [OUT_DIR]        # QUICK=1: tiny sizes (checks the paths)
 set -uo pipefail
@@ -42,7 +47,7 @@ else
   kernels=xla,chunked,cudnn; decode=(--model small --window 512)
   decode2=(--model medium --window 1024); moe=()
 fi
-sections=${SECTIONS:-headline scan moe trace small attention decode}
+sections=${SECTIONS:-headline fp8 scan moe trace small attention decode}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
   $py -c "import jax, jaxlib, flax, optax, sys; print('python', sys.version.split()[0], \
 'jax', jax.__version__, 'jaxlib', jaxlib.__version__, 'flax', flax.__version__, 'optax', \
@@ -62,6 +67,10 @@ for section in $sections; do
       bench 1b_fp8 "$first" shape1b m1b --no-profile "${fp8[@]}"
       bench 944m "$first" shape944 m944 --no-profile
       bench 944m_fp8 "$first" shape944 m944 --no-profile "${fp8[@]}" ;;
+    fp8)
+      bench 944m_fp8_profile "$first" shape944 m944 "${fp8[@]}"
+      (export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false"
+       bench 944m_fp8_cublas "$first" shape944 m944 --no-profile "${fp8[@]}") ;;
     scan)
       bench 1b_scanned "$first" shape1b m1b --no-profile --set model.scan_layers=true
       bench 1b_scanned_fp8 "$first" shape1b m1b --no-profile --set model.scan_layers=true \
@@ -69,7 +78,8 @@ for section in $sections; do
       bench 1b_dots "$first" shape1b m1b --no-profile --set model.remat=dots ;;
     moe)
       echo "== MoE grouped matmul, timed" | tee "$out/moe.txt"
-      $py experiments/moe_gmm_gpu.py --time --impls tile_scan,tokamax_triton,ragged_dot \
+      $py experiments/moe_gmm_gpu.py --time \
+        --impls tile_scan,tokamax_mosaic,tokamax_triton,ragged_dot \
         "${moe[@]}" 2>&1 | tee -a "$out/moe.txt"
       cp experiments/results/moe_gmm_gpu_time.csv "$out/" 2>/dev/null ;;
     trace) bench 1b_trace "$first" shape1b m1b --trace-dir "$out/trace" ;;
@@ -83,6 +93,6 @@ for section in $sections; do
       echo "== decode" | tee "$out/decode.txt"
       $py experiments/decode_bench.py "${decode[@]}" 2>&1 | tee -a "$out/decode.txt"
       $py experiments/decode_bench.py "${decode2[@]}" 2>&1 | tee -a "$out/decode.txt" ;;
-    *) echo "unknown section $section (headline scan moe trace small attention decode)" >&2 ;;
+    *) echo "unknown section $section (headline fp8 scan moe trace small attention decode)" >&2 ;;
   esac
 done

@@ -17,8 +17,10 @@ expert-parallel exchange.
 Writes ``experiments/results/moe_gmm_gpu.csv``. Needs JAX's CUDA plugin (the ``gpu``
 extra) and tokamax (without it the tokamax rows say why they fell back). ``--time`` runs
 the same layer on the first local GPU (one sequence) and adds the median step time of
-each grouped matmul (``moe_gmm_gpu_time.csv``; measured on an H200, docs/results/gpu.md);
-``--impls`` chooses which, ``--quick`` times 8 and 64 experts only.
+each grouped matmul (``moe_gmm_gpu_time.csv``; measured on an H200, docs/results/gpu.md),
+and each kernel's largest relative difference from the tile scan's loss and gradients;
+``--impls`` chooses which (``tile_scan`` first for the comparison), ``--quick`` times 8
+and 64 experts only.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from shardlib.config import Config, MeshConfig, ModelConfig, TrainConfig, parse_mesh
@@ -150,8 +153,9 @@ def read_csv(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def timed_point(experts: int, impl: str, device: jax.Device, seq: int) -> dict:
-    """The median of 5 steps (after a warm-up) of one point on one local ``device``."""
+def timed_point(experts: int, impl: str, device: jax.Device, seq: int) -> tuple[dict, list]:
+    """The median of 5 steps (after a warm-up) of one point on one local ``device``, and
+    its outputs (the loss and its gradients, fp32 arrays on the host)."""
     row = {"experts": experts, "moe_gmm": impl, "seq": seq, "device": device.device_kind}
     fn, params, x = layer_grad(experts, impl, {"data": 1}, [device], seq=seq)
     compiled = fn.lower(params, x).compile()
@@ -164,18 +168,32 @@ def timed_point(experts: int, impl: str, device: jax.Device, seq: int) -> dict:
     times = []
     for _ in range(6):
         tick = time.perf_counter()
-        jax.block_until_ready(compiled(*values))
+        out = jax.block_until_ready(compiled(*values))
         times.append(time.perf_counter() - tick)
     row["step_ms"] = round(statistics.median(times[1:]) * 1e3, 3)
-    return row
+    return row, [np.asarray(a, np.float32) for a in jax.tree.leaves(out)]
+
+
+def relative_error(got: list, want: list) -> float:
+    """The largest ``max |got - want| / max |want|`` over the arrays."""
+    return max(float(np.max(np.abs(g - w)) / max(float(np.max(np.abs(w))), 1e-30))
+               for g, w in zip(got, want, strict=True))
 
 
 def time_sweep(seq: int, impls: tuple[str, ...], experts_list: tuple[int, ...]) -> list[dict]:
+    """Each point timed; with ``tile_scan`` timed first, every other kernel's loss and
+    gradients held against the tile scan's (``error_vs_tile_scan``, bf16 inputs)."""
     device, rows = jax.devices()[0], []
     for experts in experts_list:
+        reference = None
         for impl in impls:
             try:
-                rows.append(timed_point(experts, impl, device, seq))
+                row, outputs = timed_point(experts, impl, device, seq)
+                if impl == "tile_scan":
+                    reference = outputs
+                elif reference is not None:
+                    row["error_vs_tile_scan"] = f"{relative_error(outputs, reference):.2e}"
+                rows.append(row)
             except Exception as err:  # noqa: BLE001 - a kernel that fails is a row, not the end
                 rows.append({"experts": experts, "moe_gmm": impl,
                              "error": f"{type(err).__name__}: {str(err)[:300]}"})

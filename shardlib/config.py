@@ -99,7 +99,8 @@ class ModelConfig:
     # "capacity": GShard's per-sequence capacity with one-hot dispatch, dropping the overflow
     moe_dispatch: str = "dropless"
     # the dropless experts' grouped matmul (shardlib.models.gmm): auto (ragged_dot on TPU;
-    # tokamax's Pallas kernel on GPU where it imports and compiles, else tile_scan) |
+    # tokamax's Pallas kernel on GPU where it imports and compiles: Triton, else Mosaic
+    # GPU alone; else tile_scan) |
     # tile_scan | ragged_dot | tokamax (Triton, else Mosaic GPU) | tokamax_triton (sm80+) |
     # tokamax_mosaic (sm90+)
     moe_gmm: str = "auto"

@@ -74,6 +74,27 @@ def test_auto_without_tokamax_falls_back_to_the_tile_scan_and_says_why(monkeypat
         resolve("tokamax", "gpu")
 
 
+@pytest.mark.parametrize("capability, choice", [((9, 0), "tokamax_mosaic"),
+                                                 ((8, 0), "tile_scan")])
+def test_auto_runs_mosaic_gpu_where_only_tritons_kernel_fails(monkeypatch, caplog,
+                                                               capability, choice):
+    """The H200 image of 2026-11-29: tokamax imports, its Triton kernel does not compile
+    (a jax_triton it does not match), Mosaic GPU does and ran 15-50x faster than the tile
+    scan; on sm80, where Mosaic GPU cannot run, the tile scan, with both reasons."""
+    triton = "tokamax triton/mosaic did not compile for H200 (TypeError: triton_call())"
+    monkeypatch.setattr(gmm, "import_error", lambda: None)
+    monkeypatch.setattr(gmm, "compile_error",
+                        lambda device, impl, dtype: None if impl == ("mosaic",) else triton)
+    monkeypatch.setattr(gmm, "capability_of", lambda device: capability)
+    monkeypatch.setattr(gmm, "_TOLD", set())
+    with caplog.at_level(logging.WARNING, logger="shardlib.models.gmm"):
+        got = resolve("auto", "gpu")
+    assert got.name == choice and triton in got.reason
+    assert [triton in r.getMessage() for r in caplog.records] == [True]
+    if choice == "tile_scan":
+        assert "tokamax_mosaic needs a GPU of compute capability 9.0" in got.reason
+
+
 def test_explicit_tokamax_off_gpu_is_a_config_error():
     with pytest.raises(ConfigError, match=r"model\.moe_gmm=tokamax_triton: tokamax's grouped "
                                           r"matmul needs an NVIDIA GPU, the mesh's platform is "

@@ -7,9 +7,11 @@ from the platform compiled for (``sharding.compute_platform``), not the host's:
 - ``tokamax`` (``tokamax_triton``, ``tokamax_mosaic``): tokamax's Pallas kernels on an
   NVIDIA GPU of sm80+, Triton first (Mosaic GPU needs sm90+ and compiles far slower at
   many experts), ``models.gmm_tokamax``.
-- ``auto``: ragged_dot on TPU; on GPU tokamax when it imports and compiles for the GPU,
-  else the tile scan, saying why in a log line and in ``shardlib inspect``; the tile scan
-  on CPU. Asking for tokamax where it cannot run is a ConfigError.
+- ``auto``: ragged_dot on TPU; on GPU tokamax when it imports and compiles for the GPU
+  (Triton, or Mosaic GPU alone where Triton's kernel does not compile: on an H200 it ran
+  the layer 15-50x faster than the tile scan, docs/results/gpu.md), else the tile scan,
+  saying why in a log line and in ``shardlib inspect``; the tile scan on CPU. Asking for
+  tokamax where it cannot run is a ConfigError.
 """
 
 from __future__ import annotations
@@ -84,11 +86,23 @@ def _auto(*, platform: str, device: jax.Device, dtype: jnp.dtype) -> GmmChoice:
     problem = tokamax_problem("tokamax", platform=platform, device=device, dtype=dtype)
     if problem is None:
         return GmmChoice("tokamax", "auto: tokamax's Pallas kernel on GPU")
+    if import_error() is None:  # tokamax is there, its Triton kernel is not: Mosaic GPU alone
+        mosaic = tokamax_problem("tokamax_mosaic", platform=platform, device=device,
+                                 dtype=dtype)
+        if mosaic is None:
+            _tell("model.moe_gmm=auto: the MoE grouped matmul runs tokamax's Mosaic GPU "
+                  "kernel: %s", problem)
+            return GmmChoice("tokamax_mosaic", f"auto: tokamax's Mosaic GPU kernel, as {problem}")
+        problem = problem if mosaic == problem else f"{problem}; {mosaic}"
+    _tell("model.moe_gmm=auto: the MoE grouped matmul falls back to the tile scan: %s", problem)
+    return GmmChoice("tile_scan", f"auto: tile scan, as {problem}")
+
+
+def _tell(message: str, problem: str) -> None:
+    """Log ``message % problem`` once per problem."""
     if problem not in _TOLD:
         _TOLD.add(problem)
-        log.warning("model.moe_gmm=auto: the MoE grouped matmul falls back to the tile "
-                    "scan: %s", problem)
-    return GmmChoice("tile_scan", f"auto: tile scan, as {problem}")
+        log.warning(message, problem)
 
 
 _GMM: contextvars.ContextVar[str] = contextvars.ContextVar("shardlib_moe_gmm", default="auto")
